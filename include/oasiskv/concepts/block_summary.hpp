@@ -1,0 +1,40 @@
+//! @file
+//! @brief The `block_summary` concept.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+
+#include "oasiskv/core/layout.hpp"
+
+namespace oasiskv {
+
+//! @brief Small per-block metadata, kept in the fast tier, that a predictor scores queries
+//! against instead of reading the block's keys.
+//!
+//! `S{layout, capacity}` holds `capacity` entries; which block an entry describes is the owner's
+//! business. Required expressions, for `s` an `S&`, `cs` a `const S&`, entry `b`, `block` a
+//! `const std::byte*` to one slot laid out as `layout`, token range `[first, first + count)`
+//! of that block, KV head `h` and `q` a `const float*` to `head_dim` floats:
+//! - `cs.capacity()` -> `std::uint32_t`: the number of entries.
+//! - `s.reset(b)`: entry `b` describes an empty block. O(bytes per entry).
+//! - `s.update(b, block, first, count)`: folds the keys of tokens `[first, first + count)` of
+//!   `block` into entry `b`, so appends (one token or a bulk prefill) keep it current. O(count x
+//!   kv heads x head_dim).
+//! - `cs.score(b, h, q)` -> `float`: an estimate (for bound-style summaries, an upper bound) of
+//!   `max_t dot(q, k_t)` over the keys of KV head `h` folded into `b`. O(head_dim).
+//! - `cs.bytes_per_block()` -> `std::size_t`: fast-tier bytes one entry costs.
+//! Out-of-range entries, heads or tokens throw `oasiskv::error`.
+template <class S>
+concept block_summary = std::constructible_from<S, const kv_layout&, std::uint32_t> &&
+    requires(S& s, const S& cs, std::uint32_t b, const std::byte* block, std::uint32_t first,
+             std::uint32_t count, std::uint32_t h, const float* q) {
+  { cs.capacity() } -> std::same_as<std::uint32_t>;
+  { s.reset(b) } -> std::same_as<void>;
+  { s.update(b, block, first, count) } -> std::same_as<void>;
+  { cs.score(b, h, q) } -> std::same_as<float>;
+  { cs.bytes_per_block() } -> std::same_as<std::size_t>;
+};
+
+}  // namespace oasiskv

@@ -1,0 +1,33 @@
+//! @file
+//! @brief The `importance_predictor` concept.
+#pragma once
+
+#include <concepts>
+
+#include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/core/selection.hpp"
+
+namespace oasiskv {
+
+//! @brief Scores the blocks of one (sequence, layer) and selects those the next step should find
+//! staged.
+//!
+//! Required, for `p` a `P&`, `in` a `const prediction_input<typename P::summary_type>&`,
+//! `sp` a `const selection_params&` and `out` a `selection&`:
+//! - `typename P::summary_type`: a `block_summary`, or `no_summary` for predictors that read none.
+//! - `p.select(in, sp, out)`: writes to `out` at most `sp.budget_blocks` blocks per table, block
+//!   indices ascending, always including the first `sp.sink_blocks`, the last `sp.recent_blocks`
+//!   and the partial last block; the rest are the highest-scoring blocks (ties to the lower index).
+//!   A budget below `sink_blocks + recent_blocks`, or queries whose shape does not match
+//!   `in.layout`, throw `oasiskv::error`. O(blocks x (scoring cost)) plus O(blocks) for the top-k
+//!   (a selection, not a sort).
+template <class P>
+concept importance_predictor =
+    (block_summary<typename P::summary_type> ||
+     std::same_as<typename P::summary_type,
+                  no_summary>)&&requires(P& p, const prediction_input<typename P::summary_type>& in,
+                                         const selection_params& sp, selection& out) {
+  { p.select(in, sp, out) } -> std::same_as<void>;
+};
+
+}  // namespace oasiskv

@@ -1,0 +1,95 @@
+//! @file
+//! @brief The `tier_backend` concept and its refinements `addressable_tier` and
+//! `host_accessible_tier`.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "oasiskv/core/ids.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/core/views.hpp"
+
+namespace oasiskv {
+
+//! @brief Where a tier's slots live: what can read them, and at what cost.
+enum class memory_kind : std::uint8_t {
+  host,         //!< pageable host memory
+  pinned_host,  //!< page-locked host memory a device can DMA from
+  device,       //!< accelerator memory (HBM)
+  file,         //!< a file on local storage
+  remote,       //!< another node's memory
+};
+
+constexpr std::string_view to_string(memory_kind k) noexcept {
+  switch (k) {
+    case memory_kind::host:
+      return "host";
+    case memory_kind::pinned_host:
+      return "pinned_host";
+    case memory_kind::device:
+      return "device";
+    case memory_kind::file:
+      return "file";
+    case memory_kind::remote:
+      return "remote";
+  }
+  return "unknown";
+}
+
+//! @brief A pool of `num_slots()` block slots, each `slot_bytes()` apart and holding one block
+//! of `layout()`, in one memory space. A tier stores bytes; which slot holds which block is the
+//! allocator's and the scheduler's business.
+//!
+//! Required expressions, for `t` a `const T&`:
+//! - `T::memory` -> `memory_kind`, a constant: where the slots live.
+//! - `t.layout()` -> `const kv_layout&`: the (validated) layout of every slot.
+//! - `t.num_slots()` -> `std::uint32_t`: the pool size; constant.
+//! - `t.slot_bytes()` -> `std::size_t`: the stride between slots, >= `layout().block_bytes()`.
+//! All O(1), noexcept, and safe to call from any thread.
+template <class T>
+concept tier_backend = requires(const T& t) {
+  { T::memory } -> std::convertible_to<memory_kind>;
+  { t.layout() } -> std::same_as<const kv_layout&>;
+  { t.num_slots() } -> std::same_as<std::uint32_t>;
+  { t.slot_bytes() } -> std::same_as<std::size_t>;
+};
+
+//! @brief A tier whose slots are plain memory in one address space, so that a kernel can read
+//! them through a `block_pool_view`.
+//!
+//! Additional expressions, for `t` a `T&`, `ct` a `const T&`, `s` a `slot_id`:
+//! - `t.slot_data(s)` -> `std::byte*`, `ct.slot_data(s)` -> `const std::byte*`: the slot's first
+//!   byte (in the tier's address space). `s >= num_slots()` throws `errc::invalid_slot`. O(1).
+//! - `ct.view()` -> `block_pool_view`: the whole pool.
+template <class T>
+concept addressable_tier = tier_backend<T> && requires(T& t, const T& ct, slot_id s) {
+  { t.slot_data(s) } -> std::same_as<std::byte*>;
+  { ct.slot_data(s) } -> std::same_as<const std::byte*>;
+  { ct.view() } -> std::same_as<block_pool_view>;
+};
+
+//! @brief An addressable tier in host memory: the CPU can read and write its slots directly.
+template <class T>
+concept host_accessible_tier = addressable_tier<T> &&
+    (T::memory == memory_kind::host || T::memory == memory_kind::pinned_host);
+
+//! @brief A tier whose slots are reached through calls rather than pointers (a file, a remote
+//! node): the CPU copies a block in or out of it.
+//!
+//! Additional expressions, for `t` a `T&`, `ct` a `const T&`, `s` a `slot_id`, `out` a
+//! `std::byte*` and `in` a `const std::byte*` to `layout().block_bytes()` bytes:
+//! - `ct.read_block(s, out)`: copies slot `s` into `out`.
+//! - `t.write_block(s, in)`: copies `in` into slot `s`.
+//! Both may block, are safe to call concurrently for distinct slots, and report failure (an I/O
+//! error, a lost peer) by throwing; `s >= num_slots()` throws `errc::invalid_slot`.
+template <class T>
+concept block_io_tier = tier_backend<T> &&
+    requires(T& t, const T& ct, slot_id s, std::byte* out, const std::byte* in) {
+  { ct.read_block(s, out) } -> std::same_as<void>;
+  { t.write_block(s, in) } -> std::same_as<void>;
+};
+
+}  // namespace oasiskv

@@ -1,0 +1,29 @@
+//! @file
+//! @brief Umbrella header: every host-safe OasisKV header (no CUDA, no third-party dependency).
+#pragma once
+
+#include "oasiskv/config.hpp"
+
+#include "oasiskv/core/decode_params.hpp"
+#include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/core/ids.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/core/selection.hpp"
+#include "oasiskv/core/views.hpp"
+
+#include "oasiskv/concepts/block_allocator.hpp"
+#include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/concepts/importance_predictor.hpp"
+#include "oasiskv/concepts/policy_bundle.hpp"
+#include "oasiskv/concepts/prefetch_scheduler.hpp"
+#include "oasiskv/concepts/sparse_attention_kernel.hpp"
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/concepts/transfer_engine.hpp"
+
+#include "oasiskv/allocator/free_list_allocator.hpp"
+#include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/attention/reference_decode.hpp"
+#include "oasiskv/attention/validate.hpp"
+#include "oasiskv/tier/host_tier.hpp"
+#include "oasiskv/transfer/cpu_copy_engine.hpp"

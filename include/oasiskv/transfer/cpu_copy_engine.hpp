@@ -1,0 +1,271 @@
+//! @file
+//! @brief `cpu_copy_engine`: block copies between host-reachable tiers on a worker thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/concepts/transfer_engine.hpp"
+#include "oasiskv/core/error.hpp"
+
+namespace oasiskv {
+
+//! @brief A tier the CPU can copy blocks in and out of: plain host memory, or a tier with block
+//! I/O calls (a file, a remote node).
+template <class T>
+concept cpu_copyable_tier = host_accessible_tier<T> || block_io_tier<T>;
+
+//! @brief Performs batches of whole-block copies between `cpu_copyable_tier`s on one worker
+//! thread, in submission order, while the caller goes on. A batch is checked as a whole at
+//! `submit` (layouts, slot ids, hazards with unfinished batches) so a bad batch moves nothing; a
+//! failure while a batch runs (an I/O error of a block-I/O tier) is kept and rethrown by `wait`.
+//! Models `transfer_engine<cpu_copy_engine, Src, Dst>` for any two such tiers. Thread-safe.
+class cpu_copy_engine {
+ public:
+  //! @brief Identifies one submitted batch. Default-constructed tickets are never issued.
+  struct ticket {
+    std::uint64_t id = 0;
+    friend constexpr bool operator==(const ticket&, const ticket&) = default;
+  };
+
+  //! @brief Totals since construction.
+  struct statistics {
+    std::uint64_t batches = 0;
+    std::uint64_t blocks = 0;
+    std::uint64_t bytes = 0;
+    std::uint64_t failed_batches = 0;
+  };
+
+  cpu_copy_engine() : worker_([this] { run(); }) {}
+  cpu_copy_engine(const cpu_copy_engine&) = delete;
+  cpu_copy_engine& operator=(const cpu_copy_engine&) = delete;
+
+  //! @brief Finishes every submitted batch, then stops the worker.
+  ~cpu_copy_engine() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    work_cv_.notify_all();
+    worker_.join();
+  }
+
+  template <cpu_copyable_tier Src, cpu_copyable_tier Dst>
+  ticket submit(const Src& src, Dst& dst, std::span<const block_copy> copies) {
+    if (!(src.layout() == dst.layout())) [[unlikely]] {
+      detail::raise(errc::layout_mismatch,
+                    "cpu_copy_engine::submit: source and destination layouts differ (block bytes ",
+                    src.layout().block_bytes(), " vs ", dst.layout().block_bytes(), ")");
+    }
+    auto job = std::make_unique<batch>();
+    job->block_bytes = src.layout().block_bytes();
+    job->copies.reserve(copies.size());
+    job->src_tier = &src;
+    job->dst_tier = &dst;
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+      const block_copy c = copies[i];
+      if (c.src >= src.num_slots()) [[unlikely]] {
+        detail::raise(errc::invalid_slot, "cpu_copy_engine::submit: copy ", i, " reads slot ",
+                      c.src, " of a source tier of ", src.num_slots(), " slots");
+      }
+      if (c.dst >= dst.num_slots()) [[unlikely]] {
+        detail::raise(errc::invalid_slot, "cpu_copy_engine::submit: copy ", i, " writes slot ",
+                      c.dst, " of a destination tier of ", dst.num_slots(), " slots");
+      }
+      job->copies.push_back(c);
+    }
+    job->run = [](batch& b) {
+      copy_batch<Src, Dst>(b);
+    };
+
+    std::unique_lock lock(mutex_);
+    check_hazards(*job);
+    job->id = ++issued_;
+    for (const block_copy& c : job->copies) {
+      ++reading_[{job->src_tier, c.src}];
+      writing_.insert({job->dst_tier, c.dst});
+    }
+    const ticket t{job->id};
+    queue_.push_back(std::move(job));
+    lock.unlock();
+    work_cv_.notify_one();
+    return t;
+  }
+
+  //! @brief Whether batch `t` has finished. Never blocks.
+  bool test(const ticket& t) const {
+    std::lock_guard lock(mutex_);
+    check_issued(t);
+    return t.id <= completed_;
+  }
+
+  //! @brief Blocks until batch `t` has finished; rethrows its failure (once).
+  void wait(const ticket& t) {
+    std::unique_lock lock(mutex_);
+    check_issued(t);
+    done_cv_.wait(lock, [&] { return t.id <= completed_; });
+    if (auto it = failures_.find(t.id); it != failures_.end()) {
+      std::string message = std::move(it->second);
+      failures_.erase(it);
+      throw error(errc::transfer_failed, message);
+    }
+  }
+
+  //! @brief Blocks until every batch submitted so far has finished. Failures stay for `wait`.
+  void drain() {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t target = issued_;
+    done_cv_.wait(lock, [&] { return completed_ >= target; });
+  }
+
+  statistics stats() const {
+    std::lock_guard lock(mutex_);
+    return stats_;
+  }
+
+ private:
+  struct batch {
+    std::uint64_t id = 0;
+    const void* src_tier = nullptr;
+    const void* dst_tier = nullptr;
+    std::size_t block_bytes = 0;
+    std::vector<block_copy> copies;
+    void (*run)(batch&) = nullptr;
+  };
+
+  struct slot_key {
+    const void* tier;
+    slot_id slot;
+    friend bool operator==(const slot_key&, const slot_key&) = default;
+  };
+  struct slot_key_hash {
+    std::size_t operator()(const slot_key& k) const noexcept {
+      return std::hash<const void*>{}(k.tier) ^ (std::size_t{k.slot} * 0x9e3779b97f4a7c15ull);
+    }
+  };
+
+  template <class Src, class Dst>
+  static void copy_batch(batch& b) {
+    const auto& src = *static_cast<const Src*>(b.src_tier);
+    auto& dst = *static_cast<Dst*>(const_cast<void*>(b.dst_tier));
+    std::vector<std::byte> bounce;
+    for (const block_copy& c : b.copies) {
+      if constexpr (host_accessible_tier<Src> && host_accessible_tier<Dst>) {
+        std::memcpy(dst.slot_data(c.dst), src.slot_data(c.src), b.block_bytes);
+      } else if constexpr (host_accessible_tier<Dst>) {
+        src.read_block(c.src, dst.slot_data(c.dst));
+      } else if constexpr (host_accessible_tier<Src>) {
+        dst.write_block(c.dst, src.slot_data(c.src));
+      } else {
+        bounce.resize(b.block_bytes);
+        src.read_block(c.src, bounce.data());
+        dst.write_block(c.dst, bounce.data());
+      }
+    }
+  }
+
+  // Called with the lock held. A batch may not read a slot an unfinished batch writes (it would
+  // read a half-written block), nor write a slot an unfinished batch reads or writes; within the
+  // batch, a destination may appear once and may not also be a source.
+  void check_hazards(const batch& b) const {
+    std::unordered_set<slot_key, slot_key_hash> dsts;
+    dsts.reserve(b.copies.size());
+    for (std::size_t i = 0; i < b.copies.size(); ++i) {
+      const slot_key d{b.dst_tier, b.copies[i].dst};
+      if (!dsts.insert(d).second) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "cpu_copy_engine::submit: copy ", i, " writes slot ",
+                      d.slot, " which an earlier copy of the batch writes");
+      }
+      if (writing_.contains(d) || reading_.contains(d)) [[unlikely]] {
+        detail::raise(errc::slot_in_flight, "cpu_copy_engine::submit: copy ", i, " writes slot ",
+                      d.slot, " which an unfinished batch still ",
+                      writing_.contains(d) ? "writes" : "reads");
+      }
+    }
+    for (std::size_t i = 0; i < b.copies.size(); ++i) {
+      const slot_key s{b.src_tier, b.copies[i].src};
+      if (writing_.contains(s)) [[unlikely]] {
+        detail::raise(errc::slot_in_flight, "cpu_copy_engine::submit: copy ", i, " reads slot ",
+                      s.slot, " which an unfinished batch still writes");
+      }
+      if (dsts.contains(s)) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "cpu_copy_engine::submit: copy ", i, " reads slot ",
+                      s.slot, " which the same batch writes");
+      }
+    }
+  }
+
+  void check_issued(const ticket& t) const {
+    if (t.id == 0 || t.id > issued_) [[unlikely]] {
+      detail::raise(errc::unknown_ticket, "cpu_copy_engine: ticket ", t.id,
+                    " was never issued (last issued: ", issued_, ")");
+    }
+  }
+
+  void run() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) {
+        return;  // stopping, and everything submitted has finished
+      }
+      std::unique_ptr<batch> job = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      std::string failure;
+      try {
+        job->run(*job);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      } catch (...) {
+        failure = "unknown exception";
+      }
+      lock.lock();
+      for (const block_copy& c : job->copies) {
+        auto it = reading_.find({job->src_tier, c.src});
+        if (--it->second == 0) {
+          reading_.erase(it);
+        }
+        writing_.erase({job->dst_tier, c.dst});
+      }
+      ++stats_.batches;
+      stats_.blocks += job->copies.size();
+      if (failure.empty()) {
+        stats_.bytes += job->copies.size() * job->block_bytes;
+      } else {
+        ++stats_.failed_batches;
+        failures_.emplace(job->id, "batch " + std::to_string(job->id) + " failed: " + failure);
+      }
+      completed_ = job->id;
+      done_cv_.notify_all();
+    }
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<std::unique_ptr<batch>> queue_;
+  std::unordered_map<slot_key, std::uint32_t, slot_key_hash> reading_;
+  std::unordered_set<slot_key, slot_key_hash> writing_;
+  std::unordered_map<std::uint64_t, std::string> failures_;
+  std::uint64_t issued_ = 0;
+  std::uint64_t completed_ = 0;
+  bool stopping_ = false;
+  statistics stats_{};
+  std::thread worker_;  // last: starts after every member it uses is constructed
+};
+
+}  // namespace oasiskv

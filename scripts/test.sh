@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Builds and runs every test:
+#   1. formatting check (clang-format 14)
+#   2. -Wall -Wextra -Werror build of tests, examples, benchmarks and CUDA code (where nvcc is);
+#      the whole ctest suite, including the package-consumer and compile-fail tests
+#   3. the suite again under AddressSanitizer + UndefinedBehaviorSanitizer
+#   4. the concurrent parts under ThreadSanitizer
+# Installs missing Debian packages when run as root. Build trees go to build/<preset>.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/common.sh
+
+jobs=$(nproc 2>/dev/null || echo 2)
+oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}"
+oasiskv_find_cuda
+
+passed=0
+failed=0
+skipped=0
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+run_ctest() {  # run_ctest <build dir> <ctest args...>: adds its counts to the totals
+  local dir=$1
+  shift
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" "$@" | tee "$log" || true
+  local summary total bad skip
+  summary=$(grep -E '^[0-9]+% tests passed, [0-9]+ tests? failed out of [0-9]+' "$log" | tail -n 1)
+  if [ -z "$summary" ]; then
+    echo "error: ctest in $dir printed no summary" >&2
+    failed=$((failed + 1))
+    return
+  fi
+  total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$summary")
+  bad=$(sed -E 's/.*passed, ([0-9]+) tests? failed.*/\1/' <<<"$summary")
+  skip=$(grep -cE '^\s+[0-9]+ - .*\(Skipped\)' "$log" || true)
+  passed=$((passed + total - bad - skip))
+  failed=$((failed + bad))
+  skipped=$((skipped + skip))
+}
+
+echo "== format (clang-format-14)"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  mapfile -t sources < <(git ls-files '*.hpp' '*.cpp' '*.cuh' '*.cu')
+else
+  mapfile -t sources < <(find include tests examples bench tools -name '*.[ch]pp' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+fi
+if [ ${#sources[@]} -gt 0 ] && ! clang-format-14 --dry-run -Werror "${sources[@]}"; then
+  echo "error: files above are not clang-formatted (run: clang-format-14 -i <file>)" >&2
+  failed=$((failed + 1))
+else
+  passed=$((passed + 1))
+fi
+
+echo "== build and test: -Werror (preset ci)"
+cmake --preset ci "${OASISKV_CUDA_ARGS[@]}" >/dev/null
+cmake --build --preset ci -j "$jobs"
+run_ctest build/ci
+
+echo "== build and test: AddressSanitizer + UndefinedBehaviorSanitizer (preset asan)"
+cmake --preset asan >/dev/null
+cmake --build --preset asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  run_ctest build/asan -LE 'package|compile_fail'
+
+echo "== build and test: ThreadSanitizer, concurrent parts (preset tsan)"
+cmake --preset tsan >/dev/null
+cmake --build --preset tsan -j "$jobs"
+TSAN_OPTIONS=halt_on_error=1 run_ctest build/tsan -L concurrent
+
+echo "test.sh: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]

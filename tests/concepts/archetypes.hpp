@@ -1,0 +1,150 @@
+//! Archetypes: minimal types that model each concept exactly, and variants that each lack one
+//! required expression. The concept tests check both sides of every concept.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "oasiskv/concepts/prefetch_scheduler.hpp"
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/concepts/transfer_engine.hpp"
+#include "oasiskv/core/decode_params.hpp"
+#include "oasiskv/core/ids.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/core/selection.hpp"
+#include "oasiskv/core/views.hpp"
+
+namespace archetype {
+using namespace oasiskv;
+
+struct allocator {
+  std::optional<slot_id> allocate();
+  void deallocate(slot_id);
+  std::size_t capacity() const;
+  std::size_t available() const;
+};
+struct allocator_without_deallocate {
+  std::optional<slot_id> allocate();
+  std::size_t capacity() const;
+  std::size_t available() const;
+};
+struct allocator_returning_raw_id {  // allocate() must say "full" without a sentinel
+  slot_id allocate();
+  void deallocate(slot_id);
+  std::size_t capacity() const;
+  std::size_t available() const;
+};
+struct allocator_with_mutating_capacity {  // capacity() must be callable on a const allocator
+  std::optional<slot_id> allocate();
+  void deallocate(slot_id);
+  std::size_t capacity();
+  std::size_t available() const;
+};
+
+struct tier {
+  static constexpr memory_kind memory = memory_kind::host;
+  const kv_layout& layout() const;
+  std::uint32_t num_slots() const;
+  std::size_t slot_bytes() const;
+  std::byte* slot_data(slot_id);
+  const std::byte* slot_data(slot_id) const;
+  block_pool_view view() const;
+};
+struct device_tier {
+  static constexpr memory_kind memory = memory_kind::device;
+  const kv_layout& layout() const;
+  std::uint32_t num_slots() const;
+  std::size_t slot_bytes() const;
+  std::byte* slot_data(slot_id);
+  const std::byte* slot_data(slot_id) const;
+  block_pool_view view() const;
+};
+struct io_tier {
+  static constexpr memory_kind memory = memory_kind::file;
+  const kv_layout& layout() const;
+  std::uint32_t num_slots() const;
+  std::size_t slot_bytes() const;
+  void read_block(slot_id, std::byte*) const;
+  void write_block(slot_id, const std::byte*);
+};
+struct tier_without_memory_kind {
+  const kv_layout& layout() const;
+  std::uint32_t num_slots() const;
+  std::size_t slot_bytes() const;
+};
+struct tier_without_slot_bytes {
+  static constexpr memory_kind memory = memory_kind::host;
+  const kv_layout& layout() const;
+  std::uint32_t num_slots() const;
+};
+
+struct engine {
+  struct ticket {};
+  ticket submit(const tier&, tier&, std::span<const block_copy>);
+  bool test(const ticket&);
+  void wait(const ticket&);
+};
+struct engine_without_test {
+  struct ticket {};
+  ticket submit(const tier&, tier&, std::span<const block_copy>);
+  void wait(const ticket&);
+};
+struct engine_without_ticket_type {
+  int submit(const tier&, tier&, std::span<const block_copy>);
+  bool test(int);
+  void wait(int);
+};
+
+struct summary {
+  summary(const kv_layout&, std::uint32_t);
+  std::uint32_t capacity() const;
+  void reset(std::uint32_t);
+  void update(std::uint32_t, const std::byte*, std::uint32_t, std::uint32_t);
+  float score(std::uint32_t, std::uint32_t, const float*) const;
+  std::size_t bytes_per_block() const;
+};
+struct summary_without_update {
+  summary_without_update(const kv_layout&, std::uint32_t);
+  std::uint32_t capacity() const;
+  void reset(std::uint32_t);
+  float score(std::uint32_t, std::uint32_t, const float*) const;
+  std::size_t bytes_per_block() const;
+};
+
+struct predictor {
+  using summary_type = summary;
+  void select(const prediction_input<summary>&, const selection_params&, selection&);
+};
+struct summaryless_predictor {
+  using summary_type = no_summary;
+  void select(const prediction_input<no_summary>&, const selection_params&, selection&);
+};
+struct predictor_over_a_non_summary {
+  using summary_type = int;
+  void select(const prediction_input<int>&, const selection_params&, selection&);
+};
+
+struct scheduler {
+  void prefetch(sequence_id, std::uint32_t, const selection&);
+  acquire_stats acquire(sequence_id, std::uint32_t, const selection&, std::vector<block_ref>&);
+  void release(sequence_id, std::uint32_t);
+  void forget(sequence_id);
+  std::size_t resident_blocks() const;
+};
+struct scheduler_without_release {
+  void prefetch(sequence_id, std::uint32_t, const selection&);
+  acquire_stats acquire(sequence_id, std::uint32_t, const selection&, std::vector<block_ref>&);
+  void forget(sequence_id);
+  std::size_t resident_blocks() const;
+};
+
+struct kernel {
+  void decode(const decode_params&);
+};
+struct kernel_taking_mutable_params {  // decode must accept a const decode_params&
+  void decode(decode_params&);
+};
+
+}  // namespace archetype

@@ -1,0 +1,77 @@
+#include <doctest/doctest.h>
+
+#include "concepts/archetypes.hpp"
+#include "oasiskv/oasiskv.hpp"
+
+using namespace oasiskv;
+
+// block_allocator
+static_assert(block_allocator<archetype::allocator>);
+static_assert(!block_allocator<archetype::allocator_without_deallocate>);
+static_assert(!block_allocator<archetype::allocator_returning_raw_id>);
+static_assert(!block_allocator<archetype::allocator_with_mutating_capacity>);
+static_assert(block_allocator<free_list_allocator>);
+static_assert(block_allocator<refcounted_allocator<free_list_allocator>>);
+static_assert(block_allocator<refcounted_allocator<refcounted_allocator<free_list_allocator>>>);
+
+// tier_backend and its refinements
+static_assert(tier_backend<archetype::tier> && addressable_tier<archetype::tier> &&
+              host_accessible_tier<archetype::tier>);
+static_assert(addressable_tier<archetype::device_tier> &&
+              !host_accessible_tier<archetype::device_tier>);
+static_assert(tier_backend<archetype::io_tier> && block_io_tier<archetype::io_tier> &&
+              !addressable_tier<archetype::io_tier>);
+static_assert(!tier_backend<archetype::tier_without_memory_kind>);
+static_assert(!tier_backend<archetype::tier_without_slot_bytes>);
+static_assert(host_accessible_tier<host_tier> && !block_io_tier<host_tier>);
+
+// transfer_engine
+static_assert(transfer_engine<archetype::engine, archetype::tier, archetype::tier>);
+static_assert(!transfer_engine<archetype::engine_without_test, archetype::tier, archetype::tier>);
+static_assert(
+    !transfer_engine<archetype::engine_without_ticket_type, archetype::tier, archetype::tier>);
+static_assert(!transfer_engine<archetype::engine, archetype::io_tier, archetype::tier>);
+static_assert(transfer_engine<cpu_copy_engine, host_tier, host_tier>);
+static_assert(transfer_engine<cpu_copy_engine, archetype::io_tier, host_tier>);
+static_assert(transfer_engine<cpu_copy_engine, host_tier, archetype::io_tier>);
+static_assert(!transfer_engine<cpu_copy_engine, archetype::device_tier, host_tier>);
+
+// block_summary, importance_predictor
+static_assert(block_summary<archetype::summary>);
+static_assert(!block_summary<archetype::summary_without_update>);
+static_assert(importance_predictor<archetype::predictor>);
+static_assert(importance_predictor<archetype::summaryless_predictor>);
+static_assert(!importance_predictor<archetype::predictor_over_a_non_summary>);
+
+// prefetch_scheduler
+static_assert(prefetch_scheduler<archetype::scheduler>);
+static_assert(!prefetch_scheduler<archetype::scheduler_without_release>);
+
+// sparse_attention_kernel
+static_assert(sparse_attention_kernel<archetype::kernel>);
+static_assert(!sparse_attention_kernel<archetype::kernel_taking_mutable_params>);
+static_assert(sparse_attention_kernel<reference_decode>);
+
+// A bundle of the shipped models, and one mixing in archetypes as an engine's own policies.
+struct shipped_bundle {
+  using allocator = free_list_allocator;
+  using fast_tier = host_tier;
+  using slow_tier = host_tier;
+  using transfer = cpu_copy_engine;
+  using kernel = reference_decode;
+};
+struct engine_bundle {
+  using allocator = archetype::allocator;
+  using fast_tier = host_tier;
+  using slow_tier = archetype::io_tier;
+  using transfer = cpu_copy_engine;
+  using summary = archetype::summary;
+  using predictor = archetype::predictor;
+  using kernel = archetype::kernel;
+};
+static_assert(check_policy_bundle<shipped_bundle>);
+static_assert(check_policy_bundle<engine_bundle>);
+
+TEST_CASE("concept checks are compile-time; the static_asserts above are the test") {
+  CHECK(check_policy_bundle<shipped_bundle>);
+}

@@ -1,0 +1,89 @@
+// The core headers in device code: dtype conversions and pool views give on the GPU exactly what
+// they give on the host.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/cuda_support.cuh"
+#include "oasiskv/core/decode_params.hpp"
+#include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/views.hpp"
+
+namespace {
+
+__global__ void convert_all_halves(std::uint16_t* f16_roundtrip, std::uint16_t* bf16_roundtrip) {
+  const std::uint32_t b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b > 0xffff) {
+    return;
+  }
+  const auto h = oasiskv::f16{static_cast<std::uint16_t>(b)};
+  f16_roundtrip[b] = oasiskv::f16::from_float(h.to_float() * 0.5f).bits;
+  const auto v = oasiskv::bf16{static_cast<std::uint16_t>(b)};
+  bf16_roundtrip[b] = oasiskv::bf16::from_float(v.to_float() * 3.0f).bits;
+}
+
+// Sums one head's keys of every slot through the view's accessors.
+__global__ void sum_keys(oasiskv::block_pool_view pool, std::uint32_t head, float* sums) {
+  const oasiskv::slot_id s = blockIdx.x;
+  const oasiskv::f16* k = pool.keys<oasiskv::f16>(s, head);
+  float acc = 0.0f;
+  for (std::uint32_t i = 0; i < pool.layout.tokens_per_block * pool.layout.head_dim; ++i) {
+    acc += oasiskv::to_float(k[i]);
+  }
+  sums[s] = acc;
+}
+
+}  // namespace
+
+TEST_CASE("device: dtype conversions match the host bit for bit") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::uint16_t *d_f16 = nullptr, *d_bf16 = nullptr;
+  OASISKV_CUDA_CHECK(cudaMalloc(&d_f16, 65536 * 2));
+  OASISKV_CUDA_CHECK(cudaMalloc(&d_bf16, 65536 * 2));
+  convert_all_halves<<<256, 256>>>(d_f16, d_bf16);
+  OASISKV_CUDA_CHECK(cudaGetLastError());
+  std::vector<std::uint16_t> f16s(65536), bf16s(65536);
+  OASISKV_CUDA_CHECK(cudaMemcpy(f16s.data(), d_f16, 65536 * 2, cudaMemcpyDeviceToHost));
+  OASISKV_CUDA_CHECK(cudaMemcpy(bf16s.data(), d_bf16, 65536 * 2, cudaMemcpyDeviceToHost));
+  for (std::uint32_t b = 0; b <= 0xffff; ++b) {
+    const auto h = oasiskv::f16{static_cast<std::uint16_t>(b)};
+    const auto v = oasiskv::bf16{static_cast<std::uint16_t>(b)};
+    REQUIRE(f16s[b] == oasiskv::f16::from_float(h.to_float() * 0.5f).bits);
+    REQUIRE(bf16s[b] == oasiskv::bf16::from_float(v.to_float() * 3.0f).bits);
+  }
+  cudaFree(d_f16);
+  cudaFree(d_bf16);
+}
+
+TEST_CASE("device: block_pool_view addresses the same bytes as on the host") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  const oasiskv::kv_layout l{1, 4, 2, 16, 4, oasiskv::dtype::f16};
+  const std::uint32_t slots = 5;
+  std::vector<oasiskv::f16> host(slots * l.block_bytes() / 2);
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    host[i] = oasiskv::f16::from_float(static_cast<float>(i % 7) - 3.0f);
+  }
+  std::byte* d_pool = nullptr;
+  float* d_sums = nullptr;
+  OASISKV_CUDA_CHECK(cudaMalloc(&d_pool, host.size() * 2));
+  OASISKV_CUDA_CHECK(cudaMalloc(&d_sums, slots * sizeof(float)));
+  OASISKV_CUDA_CHECK(cudaMemcpy(d_pool, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  const oasiskv::block_pool_view dev{d_pool, l.block_bytes(), slots, l};
+  sum_keys<<<slots, 1>>>(dev, 1, d_sums);
+  std::vector<float> sums(slots);
+  OASISKV_CUDA_CHECK(
+      cudaMemcpy(sums.data(), d_sums, slots * sizeof(float), cudaMemcpyDeviceToHost));
+  const oasiskv::block_pool_view hv{reinterpret_cast<std::byte*>(host.data()), l.block_bytes(),
+                                    slots, l};
+  for (oasiskv::slot_id s = 0; s < slots; ++s) {
+    float expect = 0.0f;
+    const oasiskv::f16* k = hv.keys<oasiskv::f16>(s, 1);
+    for (std::uint32_t i = 0; i < l.tokens_per_block * l.head_dim; ++i) {
+      expect += k[i].to_float();
+    }
+    CHECK(sums[s] == expect);
+  }
+  cudaFree(d_pool);
+  cudaFree(d_sums);
+}

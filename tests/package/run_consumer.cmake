@@ -1,0 +1,45 @@
+# Builds and runs tests/package/consumer against OasisKV in one of three ways (MODE):
+#   find_package  - install this build tree into a prefix, then find_package(oasiskv)
+#   fetchcontent  - FetchContent from a file:// clone of this repository at its HEAD commit
+#   subdirectory  - add_subdirectory(<this source tree>)
+cmake_minimum_required(VERSION 3.25)
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE r OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT r EQUAL 0)
+    string(REPLACE ";" " " cmd "${ARGN}")
+    message(FATAL_ERROR "failed (${r}): ${cmd}\n${out}\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+set(args -S "${CONSUMER_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
+         -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_BUILD_TYPE=Release
+         -DOASISKV_CONSUME=${MODE})
+
+if(MODE STREQUAL "find_package")
+  run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+  if(NOT EXISTS "${WORK_DIR}/prefix/include/oasiskv/oasiskv.hpp")
+    message(FATAL_ERROR "install did not place include/oasiskv/oasiskv.hpp")
+  endif()
+  list(APPEND args "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+elseif(MODE STREQUAL "fetchcontent")
+  find_package(Git REQUIRED)
+  run(${GIT_EXECUTABLE} -C "${SOURCE_DIR}" rev-parse HEAD)
+  string(STRIP "${last_output}" head)
+  list(APPEND args "-DOASISKV_GIT_URL=file://${SOURCE_DIR}" "-DOASISKV_GIT_TAG=${head}")
+elseif(MODE STREQUAL "subdirectory")
+  list(APPEND args "-DOASISKV_SOURCE_DIR=${SOURCE_DIR}")
+else()
+  message(FATAL_ERROR "unknown MODE '${MODE}'")
+endif()
+
+run(${CMAKE_COMMAND} ${args})
+run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run("${WORK_DIR}/build/consumer")
+if(NOT last_output MATCHES "consumer ok")
+  message(FATAL_ERROR "consumer ran but did not report success:\n${last_output}")
+endif()
+message(STATUS "${MODE}: ${last_output}")
