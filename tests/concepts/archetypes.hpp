@@ -102,28 +102,38 @@ struct summary {
   std::uint32_t capacity() const;
   void reset(std::uint32_t);
   void update(std::uint32_t, const std::byte*, std::uint32_t, std::uint32_t);
-  float score(std::uint32_t, std::uint32_t, const float*) const;
+  void score(std::uint32_t, std::span<const std::uint32_t>, const float*, std::uint32_t,
+             float*) const;
   std::size_t bytes_per_block() const;
 };
 struct summary_without_update {
   summary_without_update(const kv_layout&, std::uint32_t);
   std::uint32_t capacity() const;
   void reset(std::uint32_t);
-  float score(std::uint32_t, std::uint32_t, const float*) const;
+  void score(std::uint32_t, std::span<const std::uint32_t>, const float*, std::uint32_t,
+             float*) const;
   std::size_t bytes_per_block() const;
 };
 
 struct predictor {
   using summary_type = summary;
+  static constexpr prediction_timing timing = prediction_timing::lookahead;
   void select(const prediction_input<summary>&, const selection_params&, selection&);
 };
 struct summaryless_predictor {
   using summary_type = no_summary;
+  static constexpr prediction_timing timing = prediction_timing::at_attention;
   void select(const prediction_input<no_summary>&, const selection_params&, selection&);
 };
 struct predictor_over_a_non_summary {
   using summary_type = int;
+  static constexpr prediction_timing timing = prediction_timing::lookahead;
   void select(const prediction_input<int>&, const selection_params&, selection&);
+};
+
+struct predictor_without_timing {
+  using summary_type = summary;
+  void select(const prediction_input<summary>&, const selection_params&, selection&);
 };
 
 struct scheduler {

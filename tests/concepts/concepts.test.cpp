@@ -42,6 +42,7 @@ static_assert(!block_summary<archetype::summary_without_update>);
 static_assert(importance_predictor<archetype::predictor>);
 static_assert(importance_predictor<archetype::summaryless_predictor>);
 static_assert(!importance_predictor<archetype::predictor_over_a_non_summary>);
+static_assert(!importance_predictor<archetype::predictor_without_timing>);
 
 // prefetch_scheduler
 static_assert(prefetch_scheduler<archetype::scheduler>);

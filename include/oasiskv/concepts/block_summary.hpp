@@ -5,6 +5,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "oasiskv/core/layout.hpp"
 
@@ -16,24 +17,28 @@ namespace oasiskv {
 //! `S{layout, capacity}` holds `capacity` entries; which block an entry describes is the owner's
 //! business. Required expressions, for `s` an `S&`, `cs` a `const S&`, entry `b`, `block` a
 //! `const std::byte*` to one slot laid out as `layout`, token range `[first, first + count)`
-//! of that block, KV head `h` and `q` a `const float*` to `head_dim` floats:
+//! of that block, KV head `h`, `entries` a `std::span<const std::uint32_t>`, `q` a
+//! `const float*` to `n` query rows of `head_dim` floats and `out` a `float*`:
 //! - `cs.capacity()` -> `std::uint32_t`: the number of entries.
 //! - `s.reset(b)`: entry `b` describes an empty block. O(bytes per entry).
 //! - `s.update(b, block, first, count)`: folds the keys of tokens `[first, first + count)` of
 //!   `block` into entry `b`, so appends (one token or a bulk prefill) keep it current. O(count x
 //!   kv heads x head_dim).
-//! - `cs.score(b, h, q)` -> `float`: an estimate (for bound-style summaries, an upper bound) of
-//!   `max_t dot(q, k_t)` over the keys of KV head `h` folded into `b`. O(head_dim).
+//! - `cs.score(h, entries, q, n, out)`: writes `out[i * n + r]`, an estimate (for bound-style
+//!   summaries, an upper bound) of `max_t dot(q_r, k_t)` over the keys of KV head `h` folded into
+//!   entry `entries[i]`. One call scores a whole sequence against every query row of a GQA group
+//!   and every lookahead token, so the summary is read once. O(entries x n x head_dim).
 //! - `cs.bytes_per_block()` -> `std::size_t`: fast-tier bytes one entry costs.
 //! Out-of-range entries, heads or tokens throw `oasiskv::error`.
 template <class S>
 concept block_summary = std::constructible_from<S, const kv_layout&, std::uint32_t> &&
     requires(S& s, const S& cs, std::uint32_t b, const std::byte* block, std::uint32_t first,
-             std::uint32_t count, std::uint32_t h, const float* q) {
+             std::uint32_t count, std::uint32_t h, std::span<const std::uint32_t> entries,
+             const float* q, std::uint32_t n, float* out) {
   { cs.capacity() } -> std::same_as<std::uint32_t>;
   { s.reset(b) } -> std::same_as<void>;
   { s.update(b, block, first, count) } -> std::same_as<void>;
-  { cs.score(b, h, q) } -> std::same_as<float>;
+  { cs.score(h, entries, q, n, out) } -> std::same_as<void>;
   { cs.bytes_per_block() } -> std::same_as<std::size_t>;
 };
 

@@ -15,7 +15,8 @@ namespace oasiskv {
 //! @brief Queries of one sequence and layer: the lookahead (drafted) tokens' queries, or the
 //! current token's.
 struct query_view {
-  const float* data = nullptr;  // [num_tokens][num_q_heads][head_dim]
+  const float* data = nullptr;     // [num_tokens][num_q_heads][head_dim]
+  const float* weights = nullptr;  // [num_tokens] draft confidence of each token; null: all 1
   std::uint32_t num_tokens = 0;
 };
 
@@ -54,5 +55,11 @@ struct prediction_input {
 
 //! @brief Summary type of predictors that need none (recency, oracle).
 struct no_summary {};
+
+//! @brief When a predictor's queries exist, and so when the cache calls it.
+enum class prediction_timing : std::uint8_t {
+  lookahead,     //!< from drafted tokens' queries, a step early: its selection is prefetched
+  at_attention,  //!< from the true query at attention time (Quest): fetched on demand
+};
 
 }  // namespace oasiskv
