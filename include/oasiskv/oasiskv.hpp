@@ -27,3 +27,7 @@
 #include "oasiskv/attention/validate.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
+
+#include "oasiskv/kv_cache.hpp"
+#include "oasiskv/scheduler/eviction.hpp"
+#include "oasiskv/scheduler/staging_scheduler.hpp"

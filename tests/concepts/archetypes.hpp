@@ -137,16 +137,18 @@ struct predictor_without_timing {
 };
 
 struct scheduler {
-  void prefetch(sequence_id, std::uint32_t, const selection&);
-  acquire_stats acquire(sequence_id, std::uint32_t, const selection&, std::vector<block_ref>&);
-  void release(sequence_id, std::uint32_t);
-  void forget(sequence_id);
+  void prefetch(std::span<const slot_id>);
+  acquire_stats acquire(std::span<const slot_id>, std::span<slot_id>);
+  void release(std::span<const slot_id>);
+  std::optional<slot_id> settle(slot_id);
+  void forget(slot_id);
   std::size_t resident_blocks() const;
 };
 struct scheduler_without_release {
-  void prefetch(sequence_id, std::uint32_t, const selection&);
-  acquire_stats acquire(sequence_id, std::uint32_t, const selection&, std::vector<block_ref>&);
-  void forget(sequence_id);
+  void prefetch(std::span<const slot_id>);
+  acquire_stats acquire(std::span<const slot_id>, std::span<slot_id>);
+  std::optional<slot_id> settle(slot_id);
+  void forget(slot_id);
   std::size_t resident_blocks() const;
 };
 

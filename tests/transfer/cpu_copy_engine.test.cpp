@@ -14,6 +14,7 @@
 
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
+#include "support/gated_io_tier.hpp"
 
 using oasiskv::block_copy;
 using oasiskv::cpu_copy_engine;
@@ -56,47 +57,7 @@ void expect_error(F&& f, errc code, const std::string& needle) {
   }
 }
 
-// A block-I/O tier (think: a file) whose reads can be held back by a gate and can fail on one
-// poisoned slot: it makes in-flight states and run-time failures deterministic.
-class gated_io_tier {
- public:
-  static constexpr oasiskv::memory_kind memory = oasiskv::memory_kind::file;
-  gated_io_tier(const kv_layout& l, std::uint32_t n) : layout_(l), data_(n * l.block_bytes()) {}
-  const kv_layout& layout() const noexcept { return layout_; }
-  std::uint32_t num_slots() const noexcept {
-    return static_cast<std::uint32_t>(data_.size() / layout_.block_bytes());
-  }
-  std::size_t slot_bytes() const noexcept { return layout_.block_bytes(); }
-  void read_block(slot_id s, std::byte* out) const {
-    std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return open_; });
-    if (poisoned_ && *poisoned_ == s) {
-      throw std::runtime_error("I/O error reading slot " + std::to_string(s));
-    }
-    std::memcpy(out, data_.data() + s * layout_.block_bytes(), layout_.block_bytes());
-  }
-  void write_block(slot_id s, const std::byte* in) {
-    std::lock_guard lock(mutex_);
-    std::memcpy(data_.data() + s * layout_.block_bytes(), in, layout_.block_bytes());
-  }
-  void set_open(bool open) {
-    {
-      std::lock_guard lock(mutex_);
-      open_ = open;
-    }
-    cv_.notify_all();
-  }
-  void poison(slot_id s) { poisoned_ = s; }
-  std::byte* raw(slot_id s) { return data_.data() + s * layout_.block_bytes(); }
-
- private:
-  kv_layout layout_;
-  std::vector<std::byte> data_;
-  mutable std::mutex mutex_;
-  mutable std::condition_variable cv_;
-  bool open_ = true;
-  std::optional<slot_id> poisoned_;
-};
+using oasiskv::testing::gated_io_tier;
 static_assert(oasiskv::block_io_tier<gated_io_tier>);
 static_assert(oasiskv::transfer_engine<cpu_copy_engine, gated_io_tier, host_tier>);
 }  // namespace

@@ -5,43 +5,69 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <vector>
+#include <optional>
+#include <span>
 
 #include "oasiskv/core/ids.hpp"
-#include "oasiskv/core/selection.hpp"
 
 namespace oasiskv {
 
 //! @brief What one `acquire` found: the step's hit rate and what its misses cost.
 struct acquire_stats {
-  std::uint32_t hits = 0;     //!< blocks staged before they were needed
-  std::uint32_t misses = 0;   //!< blocks that were not, fetched synchronously
-  std::uint32_t dropped = 0;  //!< misses left out of the step (skip-on-miss policies)
-  std::uint64_t bytes_fetched = 0;
-  double stall_seconds = 0.0;  //!< time `acquire` spent waiting for transfers
+  std::uint32_t hits = 0;           //!< blocks staged (or in flight) before the step asked
+  std::uint32_t misses = 0;         //!< blocks that were not: fetched synchronously, or dropped
+  std::uint32_t dropped = 0;        //!< misses left out of the step (skip-on-miss policies)
+  std::uint64_t bytes_fetched = 0;  //!< bytes the misses fetched
+  double stall_seconds = 0.0;       //!< time spent waiting for transfers
+
+  acquire_stats& operator+=(const acquire_stats& o) noexcept {
+    hits += o.hits;
+    misses += o.misses;
+    dropped += o.dropped;
+    bytes_fetched += o.bytes_fetched;
+    stall_seconds += o.stall_seconds;
+    return *this;
+  }
 };
 
-//! @brief Keeps the fast tier's residency: turns selections into evictions and fetches, and
-//! serves each step the blocks it needs.
+//! @brief Keeps the fast tier's residency: turns wanted blocks into evictions and fetches, and
+//! serves each step the blocks it needs. A block is named by its slot in the capacity tier (its
+//! *source*), so blocks that forked sequences share are staged once.
 //!
-//! Required, for `s` an `S&`, `cs` a `const S&`, a sequence `seq`, a layer `layer`, `sel` a
-//! `const selection&` and `out` a `std::vector<block_ref>&`:
-//! - `s.prefetch(seq, layer, sel)`: starts staging `sel`'s blocks (evicting, within the policy's
-//!   per-step cap, blocks not pinned and not in flight); returns without waiting.
-//! - `s.acquire(seq, layer, sel, out)` -> `acquire_stats`: returns once every block of `sel` the
-//!   step will read is staged, with `out` holding their staged refs in table order; the blocks
-//!   stay pinned (never evicted or reused) until `release`.
-//! - `s.release(seq, layer)`: unpins what the last `acquire` of (seq, layer) pinned.
-//! - `s.forget(seq)`: drops the sequence's staged blocks (after its in-flight copies finish).
-//! - `cs.resident_blocks()` -> `std::size_t`: blocks staged or in flight; never above the budget.
+//! Required, for `s` an `S&`, `cs` a `const S&`, `src` a `std::span<const slot_id>` of source
+//! slots, `out` a `std::span<slot_id>` of `src.size()`, `fast` a `std::span<const slot_id>` and
+//! a source slot `x`:
+//! - `s.prefetch(src)`: starts staging the blocks not yet resident, evicting (within the policy's
+//!   per-call cap) blocks that are neither pinned nor in flight nor in `src`; returns without
+//!   waiting. Blocks it cannot place are left for `acquire`. O(src + evictions).
+//! - `s.acquire(src, out)` -> `acquire_stats`: returns once every block of `src` is staged (misses
+//!   fetched synchronously) or, under a skip-on-miss policy, dropped (`out[i] == null_slot`);
+//!   `out[i]` is the fast slot of `src[i]`, pinned: never evicted or reused until `release`.
+//!   Throws `errc::capacity_exceeded` when the fast tier has no evictable slot left.
+//! - `s.release(fast)`: unpins slots that `acquire` returned (one pin per occurrence).
+//! - `s.settle(x)` -> `std::optional<slot_id>`: waits for any transfer of `x` in flight, then
+//!   returns its fast slot if resident, so the caller can write an appended token through.
+//! - `s.forget(x)`: `x` no longer holds that block (freed or rewritten): waits for its transfer in
+//!   flight, then drops its residency. Pinned blocks cannot be forgotten (`errc::slot_in_flight`).
+//! - `cs.resident_blocks()` -> `std::size_t`: blocks staged or in flight; never above the fast
+//!   tier's slots.
 template <class S>
-concept prefetch_scheduler = requires(S& s, const S& cs, sequence_id seq, std::uint32_t layer,
-                                      const selection& sel, std::vector<block_ref>& out) {
-  { s.prefetch(seq, layer, sel) } -> std::same_as<void>;
-  { s.acquire(seq, layer, sel, out) } -> std::same_as<acquire_stats>;
-  { s.release(seq, layer) } -> std::same_as<void>;
-  { s.forget(seq) } -> std::same_as<void>;
+concept prefetch_scheduler = requires(S& s, const S& cs, std::span<const slot_id> src,
+                                      std::span<slot_id> out, slot_id x) {
+  { s.prefetch(src) } -> std::same_as<void>;
+  { s.acquire(src, out) } -> std::same_as<acquire_stats>;
+  { s.release(std::span<const slot_id>(out)) } -> std::same_as<void>;
+  { s.settle(x) } -> std::same_as<std::optional<slot_id>>;
+  { s.forget(x) } -> std::same_as<void>;
   { cs.resident_blocks() } -> std::same_as<std::size_t>;
 };
+
+//! @brief A scheduler *policy* as a bundle names it (`lookahead_prefetcher<lru_eviction>`): a
+//! tag whose `bind<Fast, Slow, Engine, Allocator>` is the scheduler for those tiers.
+template <class P, class Fast, class Slow, class Engine, class Allocator>
+concept scheduler_policy = requires {
+  typename P::template bind<Fast, Slow, Engine, Allocator>;
+}
+&&prefetch_scheduler<typename P::template bind<Fast, Slow, Engine, Allocator>>;
 
 }  // namespace oasiskv

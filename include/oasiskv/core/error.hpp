@@ -27,6 +27,9 @@ enum class errc : std::uint8_t {
   unknown_ticket,      //!< a transfer ticket that the engine never issued
   transfer_failed,     //!< a transfer batch failed while it ran
   unsupported,         //!< a valid request that this build or machine cannot serve
+  capacity_exceeded,   //!< a tier or budget has no room left for a request that needs it
+  unknown_sequence,    //!< a sequence id the cache does not hold
+  io_error,            //!< a read or write of storage failed (the message names slot and errno)
 };
 
 //! @brief The name of an error code, for messages and logs.
@@ -56,6 +59,12 @@ constexpr std::string_view to_string(errc e) noexcept {
       return "transfer_failed";
     case errc::unsupported:
       return "unsupported";
+    case errc::io_error:
+      return "io_error";
+    case errc::capacity_exceeded:
+      return "capacity_exceeded";
+    case errc::unknown_sequence:
+      return "unknown_sequence";
   }
   return "unknown";
 }
@@ -96,7 +105,8 @@ void append_arg(std::ostringstream& os, const T& v) {
   if constexpr (std::is_same_v<T, std::uint8_t> || std::is_same_v<T, std::int8_t>) {
     os << static_cast<int>(v);
   } else if constexpr (std::is_enum_v<T>) {
-    os << static_cast<std::underlying_type_t<T>>(v);
+    // Unary plus: an enum over (u)int8_t must print as a number, not as a character.
+    os << +static_cast<std::underlying_type_t<T>>(v);
   } else {
     os << v;
   }

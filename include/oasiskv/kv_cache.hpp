@@ -1,0 +1,634 @@
+//! @file
+//! @brief `tiered_kv_cache<Policies>`: the facade an engine's decode loop calls.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <span>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/concepts/policy_bundle.hpp"
+#include "oasiskv/concepts/prefetch_scheduler.hpp"
+#include "oasiskv/core/decode_params.hpp"
+#include "oasiskv/core/selection.hpp"
+#include "oasiskv/kv_cache_types.hpp"
+#include "oasiskv/scheduler/staging_scheduler.hpp"
+
+namespace oasiskv {
+
+//! @brief Keeps the full KV cache of every sequence in a capacity tier and a budget of blocks
+//! in a fast tier; predicts each step's blocks, stages them ahead, and runs sparse attention.
+//!
+//! The decode loop of an engine, per layer:
+//! 1. `append(seq, layer, k, v, n)`: the new tokens' keys and values (the capacity tier gets
+//!    them; a staged copy of the block is written through; the block summary is updated).
+//! 2. `lookahead(seq, layer, queries)`: the drafted tokens' queries (or, without speculative
+//!    decoding, the current one); the predictor selects the next step's blocks and the scheduler
+//!    starts staging them. Returns at once.
+//! 3. `attend(seqs, layer, q, q_len, out, lse)`: waits only for the blocks the step needs and
+//!    runs the kernel over them.
+//!
+//! Thread safety: calls may come from several threads for *different* sequences; calls for one
+//! sequence must not overlap. The kernel runs outside the cache's lock.
+template <class Policies>
+class tiered_kv_cache {
+  static_assert(check_policy_bundle<Policies>);
+
+ public:
+  using allocator_type = typename Policies::allocator;
+  using fast_tier_type = typename Policies::fast_tier;
+  using slow_tier_type = typename Policies::slow_tier;
+  using transfer_type = typename Policies::transfer;
+  using predictor_type = typename Policies::predictor;
+  using kernel_type = typename Policies::kernel;
+  using summary_type = typename predictor_type::summary_type;
+  static_assert(
+      scheduler_policy<typename Policies::scheduler, fast_tier_type, slow_tier_type, transfer_type,
+                       allocator_type>,
+      "oasiskv: Policies::scheduler does not model oasiskv::scheduler_policy (a tag whose "
+      "bind<fast_tier, slow_tier, transfer, allocator> models oasiskv::prefetch_scheduler)");
+  using scheduler_type = typename Policies::scheduler::template bind<fast_tier_type, slow_tier_type,
+                                                                     transfer_type, allocator_type>;
+  static constexpr bool has_summary = !std::is_same_v<summary_type, no_summary>;
+
+  //! @brief Takes ownership of both tiers (their layouts must agree). The fast tier's slots are
+  //! the staging budget shared by every sequence and layer; `options.budget_tokens` is what one
+  //! (sequence, layer) selects per step.
+  tiered_kv_cache(slow_tier_type slow, fast_tier_type fast, cache_options options = {},
+                  predictor_type predictor = {}, kernel_type kernel = {})
+      : slow_(std::move(slow)),
+        fast_(std::move(fast)),
+        options_(options),
+        layout_(slow_.layout()),
+        capacity_(static_cast<std::size_t>(slow_.num_slots())),
+        summaries_(make_summaries(layout_, slow_.num_slots())),
+        predictor_(std::move(predictor)),
+        kernel_(std::move(kernel)),
+        scheduler_(fast_, slow_, engine_, {options.max_evictions_per_step}) {
+    if (!(fast_.layout() == layout_)) [[unlikely]] {
+      detail::raise(errc::layout_mismatch, "tiered_kv_cache: fast and slow tier layouts differ");
+    }
+    const std::uint32_t budget = budget_blocks();
+    if (options_.budget_tokens == 0 || budget < options_.sink_blocks + options_.recent_blocks)
+        [[unlikely]] {
+      detail::raise(errc::invalid_argument,
+                    "tiered_kv_cache: budget_tokens = ", options_.budget_tokens, " (", budget,
+                    " blocks) is smaller than sink_blocks + ",
+                    "recent_blocks = ", options_.sink_blocks + options_.recent_blocks);
+    }
+    if (budget + 1 > fast_.num_slots()) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "tiered_kv_cache: the fast tier's ", fast_.num_slots(),
+                    " slots cannot stage one selection of ", budget,
+                    " blocks plus the block being appended to");
+    }
+  }
+
+  const kv_layout& layout() const noexcept { return layout_; }
+  const cache_options& options() const noexcept { return options_; }
+  std::uint32_t budget_blocks() const noexcept {
+    return layout_.blocks_for(options_.budget_tokens);
+  }
+
+  // -- sequences ------------------------------------------------------------------------------
+
+  sequence_id add_sequence() {
+    std::lock_guard lock(mutex_);
+    const sequence_id id{next_sequence_++};
+    sequences_.emplace(id, sequence_state(layout_.num_layers));
+    return id;
+  }
+
+  //! @brief A new sequence sharing every block of `parent` (prefix sharing: no copy until one of
+  //! them appends into the shared partial block, which is then copied for the writer).
+  sequence_id fork(sequence_id parent) {
+    std::lock_guard lock(mutex_);
+    const sequence_state& p = find(parent, "fork");
+    sequence_state child = p;
+    for (auto& layer : child.layers) {
+      layer.pending.reset();
+      for (slot_id s : layer.blocks) {
+        capacity_.retain(s);
+      }
+    }
+    const sequence_id id{next_sequence_++};
+    sequences_.emplace(id, std::move(child));
+    return id;
+  }
+
+  //! @brief Drops the sequence and returns the blocks only it held.
+  void remove(sequence_id seq) {
+    std::lock_guard lock(mutex_);
+    sequence_state& st = find(seq, "remove");
+    for (auto& layer : st.layers) {
+      for (slot_id s : layer.blocks) {
+        release_capacity_slot(s);
+      }
+    }
+    sequences_.erase(seq);
+  }
+
+  //! @brief Tokens of `seq` in `layer`.
+  std::uint32_t length(sequence_id seq, std::uint32_t layer = 0) const {
+    std::lock_guard lock(mutex_);
+    return find(seq, "length").layer(layer, layout_).tokens;
+  }
+  //! @brief The capacity-tier slot of each block of (seq, layer), in block order.
+  std::vector<slot_id> block_slots(sequence_id seq, std::uint32_t layer) const {
+    std::lock_guard lock(mutex_);
+    return find(seq, "block_slots").layer(layer, layout_).blocks;
+  }
+  std::size_t num_sequences() const {
+    std::lock_guard lock(mutex_);
+    return sequences_.size();
+  }
+
+  // -- the decode step --------------------------------------------------------------------------
+
+  //! @brief Appends `n` tokens to `seq` in `layer`. `k` and `v` are `[n][num_kv_heads][head_dim]`
+  //! elements of the layout's dtype (one token after another, as a layer computes them).
+  void append(sequence_id seq, std::uint32_t layer, const void* k, const void* v, std::uint32_t n) {
+    std::lock_guard lock(mutex_);
+    sequence_state& st = find(seq, "append");
+    layer_state& ls = st.layer(layer, layout_);
+    if (n == 0) {
+      return;
+    }
+    if (k == nullptr || v == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "append: null keys or values for sequence ",
+                    static_cast<std::uint64_t>(seq));
+    }
+    if (std::uint64_t{ls.tokens} + n > options_.max_tokens_per_sequence) [[unlikely]] {
+      detail::raise(
+          errc::out_of_range, "append: ", n, " tokens to sequence ",
+          static_cast<std::uint64_t>(seq), " layer ", layer, " (", ls.tokens,
+          " tokens) would pass max_tokens_per_sequence = ", options_.max_tokens_per_sequence);
+    }
+    const std::size_t token_bytes = std::size_t{layout_.num_kv_heads} * layout_.row_bytes();
+    const auto* kb = static_cast<const std::byte*>(k);
+    const auto* vb = static_cast<const std::byte*>(v);
+    for (std::uint32_t done = 0; done < n;) {
+      const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
+      const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
+      const slot_id slot = writable_block(ls, offset);
+      write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
+      ls.tokens += count;
+      done += count;
+    }
+  }
+
+  //! @brief Predicts the blocks the next `attend` of (seq, layer) will need from the lookahead
+  //! queries and starts staging them. A no-op for predictors that run at attention time.
+  void lookahead(sequence_id seq, std::uint32_t layer, query_view queries) {
+    if constexpr (predictor_type::timing == prediction_timing::lookahead) {
+      std::lock_guard lock(mutex_);
+      layer_state& ls = find(seq, "lookahead").layer(layer, layout_);
+      check_queries(queries, "lookahead");
+      if (ls.tokens == 0) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "lookahead: sequence ",
+                      static_cast<std::uint64_t>(seq), " layer ", layer, " holds no tokens");
+      }
+      ls.pending.emplace();
+      predict(ls, queries, *ls.pending);
+      sources_.clear();
+      collect_sources(ls, *ls.pending, sources_);
+      scheduler_.prefetch(sources_);
+      ++stats_.lookaheads;
+    } else {
+      (void)seq, (void)layer, (void)queries;
+    }
+  }
+
+  //! @brief Attention of `q_len` new tokens per sequence in `layer` over the blocks selected for
+  //! them. `q` is `[seqs][q_len][num_q_heads][head_dim]`; `out` likewise; `lse` is
+  //! `[seqs][q_len][num_q_heads]` (may be null). The new tokens must already be appended.
+  void attend(std::span<const sequence_id> seqs, std::uint32_t layer, const float* q,
+              std::uint32_t q_len, float* out, float* lse = nullptr) {
+    if (seqs.empty() || q == nullptr || out == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "attend: no sequences, or null q or out");
+    }
+    const std::size_t rows = seqs.size() * std::size_t{q_len} * layout_.num_q_heads;
+    step_scratch& sc = scratch_for_call();
+    {
+      std::lock_guard lock(mutex_);
+      sc.refs.clear();
+      sc.offsets.assign(1, 0);
+      sc.lens.clear();
+      sc.fast.clear();
+      sc.tables_per_seq = 0;
+      if (q_len == 0 || q_len > max_query_tokens) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "attend: q_len = ", q_len, " must be in [1, 16]");
+      }
+      try {
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+          layer_state& ls = find(seqs[i], "attend").layer(layer, layout_);
+          if (ls.tokens < q_len) [[unlikely]] {
+            detail::raise(errc::invalid_argument, "attend: sequence ",
+                          static_cast<std::uint64_t>(seqs[i]), " layer ", layer, " holds ",
+                          ls.tokens, " tokens, fewer than q_len = ", q_len);
+          }
+          const float* qs = q + i * std::size_t{q_len} * layout_.num_q_heads * layout_.head_dim;
+          stage_sequence(ls, query_view{qs, nullptr, q_len}, sc);
+          sc.lens.push_back(ls.tokens);
+        }
+      } catch (...) {
+        scheduler_.release(sc.fast);  // the pins of the sequences staged before the failure
+        throw;
+      }
+    }
+    if (lse == nullptr) {
+      sc.lse.resize(rows);
+      lse = sc.lse.data();
+    }
+    decode_params p;
+    p.q = q;
+    p.pool = fast_.view();
+    p.table = {sc.refs.data(), sc.offsets.data(), static_cast<std::uint32_t>(seqs.size()),
+               sc.tables_per_seq};
+    p.seq_lens = sc.lens.data();
+    p.out = out;
+    p.lse = lse;
+    p.num_seqs = static_cast<std::uint32_t>(seqs.size());
+    p.q_len = q_len;
+    p.scale = options_.scale > 0.0f ? options_.scale
+                                    : 1.0f / std::sqrt(static_cast<float>(layout_.head_dim));
+    try {
+      kernel_.decode(p);
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      scheduler_.release(sc.fast);
+      throw;
+    }
+    std::lock_guard lock(mutex_);
+    scheduler_.release(sc.fast);
+  }
+
+  // -- observation ------------------------------------------------------------------------------
+
+  cache_stats stats() const {
+    std::lock_guard lock(mutex_);
+    cache_stats s = stats_;
+    const scheduler_stats& ss = scheduler_.stats();
+    s.bytes_prefetched = ss.bytes_prefetched;
+    s.bytes_evicted = ss.bytes_evicted;
+    s.blocks_evicted = ss.blocks_evicted;
+    s.failed_transfers = ss.failed_transfers;
+    s.resident_blocks = scheduler_.resident_blocks();
+    return s;
+  }
+
+  //! @brief How many sequences of `seq_len` tokens a fast tier of `fast_bytes` admits, dense
+  //! (every block resident) vs OasisKV (a selection per layer, double-buffered for prefetch, plus
+  //! the summaries).
+  admission_report admission(std::uint64_t seq_len, std::uint64_t fast_bytes) const {
+    admission_report r;
+    const std::uint64_t blocks = layout_.blocks_for(seq_len);
+    r.dense_bytes_per_sequence = blocks * layout_.num_layers * layout_.block_bytes();
+    std::uint64_t summary_bytes = 0;
+    if constexpr (has_summary) {
+      summary_bytes = summaries_.bytes_per_block();
+    }
+    const std::uint64_t staged = std::min<std::uint64_t>(blocks, 2ull * budget_blocks());
+    r.oasis_bytes_per_sequence =
+        layout_.num_layers * (staged * layout_.block_bytes() + blocks * summary_bytes);
+    r.dense_sequences = fast_bytes / std::max<std::uint64_t>(1, r.dense_bytes_per_sequence);
+    r.oasis_sequences = fast_bytes / std::max<std::uint64_t>(1, r.oasis_bytes_per_sequence);
+    return r;
+  }
+
+  //! @brief Checks every invariant: the scheduler's bookkeeping, residency within the fast tier,
+  //! and every staged block byte-equal to the capacity tier's copy. Returns the blocks compared.
+  //! O(everything): for tests and debugging.
+  std::size_t audit() {
+    std::lock_guard lock(mutex_);
+    scheduler_.check_invariants();
+    if (scheduler_.resident_blocks() > fast_.num_slots()) [[unlikely]] {
+      detail::raise(errc::capacity_exceeded, "audit: ", scheduler_.resident_blocks(),
+                    " blocks resident in a fast tier of ", fast_.num_slots());
+    }
+    std::size_t compared = 0;
+    std::vector<std::byte> buffer(layout_.block_bytes());
+    for (auto& [id, st] : sequences_) {
+      for (auto& ls : st.layers) {
+        for (slot_id s : ls.blocks) {
+          const auto f = scheduler_.settle(s);
+          if (!f) {
+            continue;
+          }
+          const std::byte* fast_bytes = fast_.slot_data(*f);
+          const std::byte* slow_bytes = read_capacity(s, buffer);
+          if (std::memcmp(fast_bytes, slow_bytes, layout_.block_bytes()) != 0) [[unlikely]] {
+            detail::raise(errc::invalid_argument, "audit: staged copy of capacity slot ", s,
+                          " (fast slot ", *f, ") differs from the capacity tier");
+          }
+          ++compared;
+        }
+      }
+    }
+    return compared;
+  }
+
+  const scheduler_type& scheduler() const noexcept { return scheduler_; }
+  slow_tier_type& capacity_tier() noexcept { return slow_; }
+  fast_tier_type& fast_tier() noexcept { return fast_; }
+
+ private:
+  struct layer_state {
+    std::uint32_t tokens = 0;
+    std::vector<slot_id> blocks;       // block index -> capacity slot
+    std::optional<selection> pending;  // the last lookahead's selection
+    std::vector<std::byte> tail;       // the partial block, for block-I/O capacity tiers
+  };
+  struct sequence_state {
+    explicit sequence_state(std::uint32_t num_layers) : layers(num_layers) {}
+    std::vector<layer_state> layers;
+    layer_state& layer(std::uint32_t l, const kv_layout& layout) {
+      check_layer(l, layout);
+      return layers[l];
+    }
+    const layer_state& layer(std::uint32_t l, const kv_layout& layout) const {
+      check_layer(l, layout);
+      return layers[l];
+    }
+    static void check_layer(std::uint32_t l, const kv_layout& layout) {
+      if (l >= layout.num_layers) [[unlikely]] {
+        detail::raise(errc::out_of_range, "layer ", l, " is outside the model's ",
+                      layout.num_layers, " layers");
+      }
+    }
+  };
+  struct step_scratch {
+    std::vector<block_ref> refs;
+    std::vector<std::uint32_t> offsets;
+    std::vector<std::uint32_t> lens;
+    std::vector<slot_id> fast;
+    std::vector<slot_id> sources;
+    std::vector<slot_id> staged;
+    std::vector<float> lse;
+    selection sel;
+    std::uint32_t tables_per_seq = 0;
+  };
+  struct empty_summaries {};
+  using summary_store = std::conditional_t<has_summary, summary_type, empty_summaries>;
+
+  static summary_store make_summaries(const kv_layout& l, std::uint32_t n) {
+    l.validate();
+    if constexpr (has_summary) {
+      return summary_type(l, n);
+    } else {
+      return {};
+    }
+  }
+
+  sequence_state& find(sequence_id seq, const char* what) {
+    auto it = sequences_.find(seq);
+    if (it == sequences_.end()) [[unlikely]] {
+      detail::raise(errc::unknown_sequence, what, ": sequence ", static_cast<std::uint64_t>(seq),
+                    " is not in the cache");
+    }
+    return it->second;
+  }
+  const sequence_state& find(sequence_id seq, const char* what) const {
+    return const_cast<tiered_kv_cache*>(this)->find(seq, what);
+  }
+
+  void check_queries(const query_view& q, const char* what) const {
+    if (q.data == nullptr || q.num_tokens == 0 || q.num_tokens > max_query_tokens) [[unlikely]] {
+      detail::raise(errc::invalid_argument, what, ": queries must be 1 to 16 tokens of ",
+                    layout_.num_q_heads, " x ", layout_.head_dim, " floats (got ", q.num_tokens,
+                    " tokens", q.data == nullptr ? ", null data)" : ")");
+    }
+  }
+
+  step_scratch& scratch_for_call() {
+    // One scratch per calling thread: calls for different sequences may run concurrently.
+    thread_local std::unordered_map<const void*, step_scratch> per_cache;
+    return per_cache[this];
+  }
+
+  // The capacity slot of the block that token `offset` of the next append goes to, made
+  // private (copy-on-write) if a fork shares it.
+  slot_id writable_block(layer_state& ls, std::uint32_t offset) {
+    if (offset == 0) {
+      const auto s = capacity_.allocate();
+      if (!s) [[unlikely]] {
+        detail::raise(errc::capacity_exceeded, "append: the capacity tier's ", slow_.num_slots(),
+                      " slots are all in use");
+      }
+      if constexpr (has_summary) {
+        summaries_.reset(*s);
+      }
+      ls.blocks.push_back(*s);
+      if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
+        ls.tail.assign(layout_.block_bytes(), std::byte{0});
+      }
+      return *s;
+    }
+    slot_id& current = ls.blocks.back();
+    const auto cow = capacity_.prepare_write(current);
+    if (!cow) [[unlikely]] {
+      detail::raise(errc::capacity_exceeded, "append: no capacity slot left to copy shared block ",
+                    ls.blocks.size() - 1, " for its writer");
+    }
+    if (cow->copied) {
+      copy_capacity_block(current, cow->slot, offset);
+      current = cow->slot;
+    }
+    return current;
+  }
+
+  void copy_capacity_block(slot_id from, slot_id to, std::uint32_t filled) {
+    scheduler_.settle(from);  // a staging copy may still read `from`; it stays valid (shared)
+    const std::byte* src = nullptr;
+    std::vector<std::byte> buffer;
+    if constexpr (host_accessible_tier<slow_tier_type>) {
+      src = std::as_const(slow_).slot_data(from);
+      std::memcpy(slow_.slot_data(to), src, layout_.block_bytes());
+    } else {
+      buffer.resize(layout_.block_bytes());
+      slow_.read_block(from, buffer.data());
+      slow_.write_block(to, buffer.data());
+      src = buffer.data();
+    }
+    if constexpr (has_summary) {
+      summaries_.reset(to);
+      summaries_.update(to, src, 0, filled);
+    }
+  }
+
+  // Writes `count` tokens at `offset` of capacity slot `slot` (and of its staged copy).
+  void write_rows(layer_state& ls, slot_id slot, std::uint32_t offset, std::uint32_t count,
+                  const std::byte* k, const std::byte* v) {
+    const auto staged = scheduler_.settle(slot);  // no copy may read the slot while we write
+    const std::size_t row = layout_.row_bytes();
+    auto scatter = [&](std::byte* block) {
+      for (std::uint32_t t = 0; t < count; ++t) {
+        for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+          const std::size_t in = (std::size_t{t} * layout_.num_kv_heads + h) * row;
+          const std::size_t at = (offset + t) * row;
+          std::memcpy(block + layout_.key_offset(h) + at, k + in, row);
+          std::memcpy(block + layout_.value_offset(h) + at, v + in, row);
+        }
+      }
+    };
+    const std::byte* block = nullptr;
+    if constexpr (host_accessible_tier<slow_tier_type>) {
+      scatter(slow_.slot_data(slot));
+      block = std::as_const(slow_).slot_data(slot);
+    } else {
+      if (ls.tail.size() != layout_.block_bytes()) {  // a forked sequence's first write
+        ls.tail.resize(layout_.block_bytes());
+        slow_.read_block(slot, ls.tail.data());
+      }
+      scatter(ls.tail.data());
+      slow_.write_block(slot, ls.tail.data());
+      block = ls.tail.data();
+    }
+    if (staged) {
+      scatter(fast_.slot_data(*staged));  // write-through keeps the staged copy exact
+    }
+    if constexpr (has_summary) {
+      summaries_.update(slot, block, offset, count);
+    }
+  }
+
+  const std::byte* read_capacity(slot_id s, std::vector<std::byte>& buffer) const {
+    if constexpr (host_accessible_tier<slow_tier_type>) {
+      (void)buffer;
+      return slow_.slot_data(s);
+    } else {
+      slow_.read_block(s, buffer.data());
+      return buffer.data();
+    }
+  }
+
+  void release_capacity_slot(slot_id s) {
+    if (capacity_.use_count(s) == 1) {
+      scheduler_.forget(s);
+    }
+    capacity_.deallocate(s);
+  }
+
+  void predict(const layer_state& ls, query_view queries, selection& out) {
+    prediction_input<summary_type> in;
+    in.layout = layout_;
+    in.seq_len = ls.tokens;
+    if constexpr (has_summary) {
+      in.summaries = &summaries_;
+    }
+    in.summary_ids = ls.blocks;
+    in.queries = queries;
+    if constexpr (addressable_tier<slow_tier_type>) {
+      in.keys = slow_.view();
+      in.key_slots = ls.blocks;
+    }
+    const selection_params sp{budget_blocks(), options_.sink_blocks, options_.recent_blocks};
+    predictor_.select(in, sp, out);
+  }
+
+  // Unique capacity slots of the selection, plus the always-kept window of the current length.
+  void collect_sources(const layer_state& ls, selection& sel, std::vector<slot_id>& out) {
+    keep_window(ls, sel);
+    for (std::uint32_t b : sel.blocks) {
+      out.push_back(ls.blocks[b]);
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+  }
+
+  // A lookahead made before the accepted tokens were appended may miss the newest blocks: the
+  // sinks and the recent window of the current length are added to every table.
+  void keep_window(const layer_state& ls, selection& sel) {
+    const std::uint32_t n = static_cast<std::uint32_t>(ls.blocks.size());
+    const std::uint32_t sinks = std::min(options_.sink_blocks, n);
+    const std::uint32_t recent_from = n > options_.recent_blocks ? n - options_.recent_blocks : 0;
+    std::vector<std::uint32_t> merged, offsets{0};
+    for (std::uint32_t t = 0; t < sel.tables; ++t) {
+      const auto table = sel.table(t);
+      std::size_t start = merged.size();
+      for (std::uint32_t b : table) {
+        if (b < n) {
+          merged.push_back(b);
+        }
+      }
+      for (std::uint32_t b = 0; b < sinks; ++b) {
+        merged.push_back(b);
+      }
+      for (std::uint32_t b = recent_from; b < n; ++b) {
+        merged.push_back(b);
+      }
+      std::sort(merged.begin() + static_cast<std::ptrdiff_t>(start), merged.end());
+      merged.erase(std::unique(merged.begin() + static_cast<std::ptrdiff_t>(start), merged.end()),
+                   merged.end());
+      offsets.push_back(static_cast<std::uint32_t>(merged.size()));
+    }
+    sel.blocks = std::move(merged);
+    sel.offsets = std::move(offsets);
+  }
+
+  // Chooses the step's blocks for one sequence, stages them and appends its tables to `sc`.
+  void stage_sequence(layer_state& ls, query_view q, step_scratch& sc) {
+    selection* sel = nullptr;
+    if (predictor_type::timing == prediction_timing::lookahead && ls.pending) {
+      sel = &*ls.pending;
+    } else {
+      if (predictor_type::timing == prediction_timing::lookahead) {
+        ++stats_.unpredicted;  // no lookahead for this step: predict from the current query
+      }
+      predict(ls, q, sc.sel);
+      sel = &sc.sel;
+    }
+    sc.sources.clear();
+    collect_sources(ls, *sel, sc.sources);
+    sc.staged.resize(sc.sources.size());
+    const acquire_stats st = scheduler_.acquire(sc.sources, sc.staged);
+    stats_.step += st;
+    ++stats_.sequence_steps;
+    const std::uint32_t tables = sel->tables;
+    if (sc.tables_per_seq != 0 && sc.tables_per_seq != tables) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "attend: sequences of one call selected with ",
+                    "different granularities");
+    }
+    sc.tables_per_seq = tables;
+    for (std::uint32_t t = 0; t < tables; ++t) {
+      for (std::uint32_t b : sel->table(t)) {
+        const slot_id src = ls.blocks[b];
+        const auto it = std::lower_bound(sc.sources.begin(), sc.sources.end(), src);
+        const slot_id fast = sc.staged[static_cast<std::size_t>(it - sc.sources.begin())];
+        if (fast != null_slot) {
+          sc.refs.push_back({fast, b});
+        }
+      }
+      stats_.selected_blocks += sel->table(t).size();
+      sc.offsets.push_back(static_cast<std::uint32_t>(sc.refs.size()));
+    }
+    sc.fast.insert(sc.fast.end(), sc.staged.begin(), sc.staged.end());
+    ls.pending.reset();
+  }
+
+  mutable std::mutex mutex_;
+  slow_tier_type slow_;
+  fast_tier_type fast_;
+  cache_options options_;
+  kv_layout layout_;
+  refcounted_allocator<allocator_type> capacity_;
+  summary_store summaries_;
+  predictor_type predictor_;
+  kernel_type kernel_;
+  transfer_type engine_;
+  scheduler_type scheduler_;  // after the tiers and the engine it references
+  std::unordered_map<sequence_id, sequence_state> sequences_;
+  std::uint64_t next_sequence_ = 1;
+  std::vector<slot_id> sources_;
+  cache_stats stats_{};
+};
+
+}  // namespace oasiskv

@@ -1,0 +1,52 @@
+//! @file
+//! @brief Options, statistics and reports of `tiered_kv_cache`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "oasiskv/concepts/prefetch_scheduler.hpp"
+
+namespace oasiskv {
+
+//! @brief How a `tiered_kv_cache` selects and stages blocks.
+struct cache_options {
+  std::uint32_t budget_tokens = 2048;  //!< tokens one (sequence, layer) attends to per step
+  std::uint32_t sink_blocks = 1;       //!< first blocks, always attended (attention sinks)
+  std::uint32_t recent_blocks = 1;     //!< last blocks, always attended (incl. the partial one)
+  //! Evictions one lookahead may make (the damage one bad prediction can do).
+  std::uint32_t max_evictions_per_step = std::numeric_limits<std::uint32_t>::max();
+  std::uint64_t max_tokens_per_sequence = std::uint64_t{1} << 20;
+  float scale = 0.0f;  //!< softmax scale; 0 means 1 / sqrt(head_dim)
+};
+
+//! @brief Totals since construction. `step` sums every `acquire`: hits and misses of the blocks
+//! attention needed, and what the misses cost.
+struct cache_stats {
+  std::uint64_t sequence_steps = 0;   //!< (sequence, layer) attention steps
+  std::uint64_t lookaheads = 0;       //!< lookahead calls that predicted
+  std::uint64_t unpredicted = 0;      //!< steps that found no lookahead and predicted late
+  std::uint64_t selected_blocks = 0;  //!< blocks attended over all steps and tables
+  acquire_stats step{};
+  std::uint64_t bytes_prefetched = 0;
+  std::uint64_t bytes_evicted = 0;
+  std::uint64_t blocks_evicted = 0;
+  std::uint64_t failed_transfers = 0;
+  std::size_t resident_blocks = 0;  //!< staged or in flight now
+
+  double hit_rate() const noexcept {
+    const double total = static_cast<double>(step.hits) + step.misses;
+    return total == 0 ? 1.0 : step.hits / total;
+  }
+};
+
+//! @brief Sequences of one length that a fast-memory budget admits.
+struct admission_report {
+  std::uint64_t dense_bytes_per_sequence = 0;  //!< every block of every layer resident
+  std::uint64_t oasis_bytes_per_sequence = 0;  //!< staged selections + summaries
+  std::uint64_t dense_sequences = 0;
+  std::uint64_t oasis_sequences = 0;
+};
+
+}  // namespace oasiskv

@@ -1,0 +1,356 @@
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cmath>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "oasiskv/oasiskv.hpp"
+#include "support/kv_fixture.hpp"
+#include "support/test_predictors.hpp"
+
+using namespace oasiskv;
+using oasiskv::testing::exact_max_predictor;
+using oasiskv::testing::select_all_predictor;
+
+namespace {
+
+template <class Scheduler, class Predictor>
+struct bundle {
+  using allocator = free_list_allocator;
+  using fast_tier = host_tier;
+  using slow_tier = host_tier;
+  using transfer = cpu_copy_engine;
+  using predictor = Predictor;
+  using scheduler = Scheduler;
+  using kernel = reference_decode;
+};
+
+template <class F>
+void expect_error(F&& f, errc code, const std::string& needle) {
+  try {
+    f();
+    FAIL("expected oasiskv::error " << to_string(code));
+  } catch (const oasiskv::error& e) {
+    CHECK(e.code() == code);
+    INFO(std::string(e.what()));
+    CHECK(std::string(e.what()).find(needle) != std::string::npos);
+  }
+}
+
+// Random KV of `n` tokens for one layer: [n][num_kv_heads][head_dim] of the layout's dtype.
+std::vector<std::byte> random_rows(const kv_layout& l, std::uint32_t n, std::mt19937& rng) {
+  std::vector<std::byte> rows(std::size_t{n} * l.num_kv_heads * l.row_bytes());
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  visit_dtype(l.kv_dtype, [&](auto e) {
+    using T = decltype(e);
+    T* p = reinterpret_cast<T*>(rows.data());
+    for (std::size_t i = 0; i < rows.size() / sizeof(T); ++i) {
+      p[i] = from_float<T>(u(rng));
+    }
+  });
+  return rows;
+}
+
+template <class Cache>
+void append_random(Cache& c, sequence_id s, std::uint32_t n, std::mt19937& rng) {
+  for (std::uint32_t layer = 0; layer < c.layout().num_layers; ++layer) {
+    auto k = random_rows(c.layout(), n, rng);
+    auto v = random_rows(c.layout(), n, rng);
+    c.append(s, layer, k.data(), v.data(), n);
+  }
+}
+
+// Dense attention over the capacity tier, the definition `attend` must match.
+template <class Cache>
+void dense_reference(Cache& c, sequence_id s, std::uint32_t layer, const float* q,
+                     std::uint32_t q_len, float* out, float* lse) {
+  const auto slots = c.block_slots(s, layer);
+  std::vector<block_ref> refs;
+  for (std::uint32_t b = 0; b < slots.size(); ++b) {
+    refs.push_back({slots[b], b});
+  }
+  const std::uint32_t offsets[2] = {0, static_cast<std::uint32_t>(refs.size())};
+  const std::uint32_t len = c.length(s, layer);
+  decode_params p{q,
+                  c.capacity_tier().view(),
+                  {refs.data(), offsets, 1, 1},
+                  &len,
+                  out,
+                  lse,
+                  1,
+                  q_len,
+                  1.0f / std::sqrt(static_cast<float>(c.layout().head_dim))};
+  reference_decode{}.decode(p);
+}
+
+std::vector<float> random_queries(const kv_layout& l, std::uint32_t n, std::mt19937& rng) {
+  std::vector<float> q(std::size_t{n} * l.num_q_heads * l.head_dim);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  for (float& x : q) {
+    x = u(rng);
+  }
+  return q;
+}
+
+const kv_layout tiny{2, 4, 2, 8, 4, dtype::f16};
+
+}  // namespace
+
+using all_lru = bundle<lookahead_prefetcher<lru_eviction>, select_all_predictor>;
+using all_score = bundle<lookahead_prefetcher<score_eviction>, select_all_predictor>;
+using all_on_demand = bundle<on_demand_fetcher<>, select_all_predictor>;
+using all_resident_dense = bundle<all_resident, select_all_predictor>;
+using exact_lru = bundle<lookahead_prefetcher<lru_eviction>, exact_max_predictor>;
+
+TEST_CASE_TEMPLATE("tiered_kv_cache: a budget covering the context equals dense attention", B,
+                   all_lru, all_score, all_on_demand, all_resident_dense, exact_lru) {
+  std::mt19937 rng(5);
+  tiered_kv_cache<B> cache(host_tier(tiny, 256), host_tier(tiny, 128),
+                           {.budget_tokens = 128, .sink_blocks = 1, .recent_blocks = 1});
+  const sequence_id a = cache.add_sequence(), b = cache.add_sequence();
+  append_random(cache, a, 37, rng);  // bulk prefill, partial last block
+  append_random(cache, b, 5, rng);
+  for (int step = 0; step < 6; ++step) {
+    for (sequence_id s : {a, b}) {
+      const std::uint32_t q_len = 1 + static_cast<std::uint32_t>(rng() % 3);
+      append_random(cache, s, q_len, rng);  // the new tokens, then attention over them
+      for (std::uint32_t layer = 0; layer < tiny.num_layers; ++layer) {
+        auto draft = random_queries(tiny, 2, rng);
+        cache.lookahead(s, layer, {draft.data(), nullptr, 2});
+        auto q = random_queries(tiny, q_len, rng);
+        std::vector<float> out(q.size()), lse(q_len * tiny.num_q_heads);
+        std::vector<float> ref_out(q.size()), ref_lse(lse.size());
+        const sequence_id one[1] = {s};
+        cache.attend(one, layer, q.data(), q_len, out.data(), lse.data());
+        dense_reference(cache, s, layer, q.data(), q_len, ref_out.data(), ref_lse.data());
+        REQUIRE(oasiskv::testing::max_rel_error(out, ref_out) < 1e-6);
+        REQUIRE(oasiskv::testing::max_rel_error(lse, ref_lse) < 1e-6);
+      }
+    }
+  }
+  CHECK(cache.audit() > 0);
+  const cache_stats st = cache.stats();
+  CHECK(st.sequence_steps == 2 * 6 * tiny.num_layers);
+  CHECK(st.unpredicted == 0);
+  if constexpr (std::is_same_v<B, all_on_demand>) {
+    CHECK(st.bytes_prefetched == 0);
+  } else {
+    CHECK(st.step.hits > st.step.misses);  // staged ahead: later steps find their blocks
+  }
+}
+
+TEST_CASE("tiered_kv_cache: batched attend of several sequences equals one at a time") {
+  std::mt19937 rng(8);
+  tiered_kv_cache<exact_lru> cache(host_tier(tiny, 256), host_tier(tiny, 64),
+                                   {.budget_tokens = 16});
+  std::vector<sequence_id> seqs;
+  for (int i = 0; i < 3; ++i) {
+    seqs.push_back(cache.add_sequence());
+    append_random(cache, seqs.back(), 20 + 9 * i, rng);
+  }
+  auto q = random_queries(tiny, 3, rng);  // one query token per sequence
+  std::vector<float> batched(q.size()), single(q.size());
+  cache.attend(seqs, 1, q.data(), 1, batched.data());
+  for (std::size_t i = 0; i < 3; ++i) {
+    const sequence_id one[1] = {seqs[i]};
+    const std::size_t row = tiny.num_q_heads * tiny.head_dim;
+    cache.attend(one, 1, q.data() + i * row, 1, single.data() + i * row);
+  }
+  CHECK(batched == single);
+}
+
+TEST_CASE("tiered_kv_cache: fork shares the prefix and copies the partial block on write") {
+  std::mt19937 rng(3);
+  tiered_kv_cache<all_lru> cache(host_tier(tiny, 64), host_tier(tiny, 64), {.budget_tokens = 64});
+  const sequence_id parent = cache.add_sequence();
+  append_random(cache, parent, 10, rng);  // blocks 0, 1 full; block 2 holds 2 tokens
+  auto q = random_queries(tiny, 1, rng);
+  std::vector<float> before(q.size()), after(q.size());
+  const sequence_id p1[1] = {parent};
+  cache.attend(p1, 0, q.data(), 1, before.data());
+
+  const sequence_id child = cache.fork(parent);
+  CHECK(cache.block_slots(child, 0) == cache.block_slots(parent, 0));
+  append_random(cache, child, 3, rng);  // copy-on-write of block 2 for the child only
+  const auto ps = cache.block_slots(parent, 0), cs = cache.block_slots(child, 0);
+  CHECK(ps[0] == cs[0]);
+  CHECK(ps[1] == cs[1]);
+  CHECK(ps[2] != cs[2]);
+  CHECK(cache.length(parent) == 10);
+  CHECK(cache.length(child) == 13);
+  cache.attend(p1, 0, q.data(), 1, after.data());
+  CHECK(before == after);  // the parent never sees the child's tokens
+  // The child attends over the shared prefix and its own tokens, as dense would.
+  std::vector<float> out(q.size()), ref(q.size()), lse(tiny.num_q_heads), ref_lse(lse.size());
+  const sequence_id c1[1] = {child};
+  cache.attend(c1, 0, q.data(), 1, out.data(), lse.data());
+  dense_reference(cache, child, 0, q.data(), 1, ref.data(), ref_lse.data());
+  CHECK(oasiskv::testing::max_rel_error(out, ref) < 1e-6);
+  cache.remove(parent);
+  CHECK(cache.block_slots(child, 0)[0] == cs[0]);  // still held by the child
+  cache.remove(child);
+  CHECK(cache.num_sequences() == 0);
+  CHECK(cache.audit() == 0);
+}
+
+TEST_CASE("tiered_kv_cache: bad input") {
+  using C = tiered_kv_cache<exact_lru>;
+  expect_error([] { C c(host_tier(tiny, 8), host_tier(tiny, 8), {.budget_tokens = 4}); },
+               errc::invalid_argument, "budget_tokens = 4 (1 blocks) is smaller than");
+  expect_error([] { C c(host_tier(tiny, 8), host_tier(tiny, 4), {.budget_tokens = 16}); },
+               errc::invalid_argument,
+               "fast tier's 4 slots cannot stage one selection of 4 blocks");
+  const kv_layout other{2, 4, 2, 16, 4, dtype::f16};
+  expect_error([&] { C c(host_tier(tiny, 8), host_tier(other, 8), {.budget_tokens = 16}); },
+               errc::layout_mismatch, "layouts differ");
+  C c(host_tier(tiny, 16), host_tier(tiny, 8),
+      {.budget_tokens = 16, .max_tokens_per_sequence = 40});
+  std::mt19937 rng(1);
+  const sequence_id s = c.add_sequence();
+  append_random(c, s, 8, rng);
+  auto q = random_queries(tiny, 1, rng);
+  const sequence_id ghost{999};
+  expect_error(
+      [&] {
+        c.lookahead(ghost, 0, {q.data(), nullptr, 1});
+      },
+      errc::unknown_sequence, "lookahead: sequence 999 is not in the cache");
+  expect_error(
+      [&] {
+        c.lookahead(s, 0, {nullptr, nullptr, 1});
+      },
+      errc::invalid_argument, "null data");
+  expect_error(
+      [&] {
+        c.lookahead(s, 0, {q.data(), nullptr, 0});
+      },
+      errc::invalid_argument, "got 0 tokens");
+  expect_error(
+      [&] {
+        c.lookahead(s, 0, {q.data(), nullptr, 17});
+      },
+      errc::invalid_argument, "got 17 tokens");
+  expect_error(
+      [&] {
+        c.lookahead(s, 2, {q.data(), nullptr, 1});
+      },
+      errc::out_of_range, "layer 2 is outside the model's 2 layers");
+  auto rows = random_rows(tiny, 40, rng);
+  expect_error([&] { c.append(s, 0, rows.data(), rows.data(), 33); }, errc::out_of_range,
+               "would pass max_tokens_per_sequence = 40");
+  std::vector<float> out(q.size() * 16);
+  const sequence_id one[1] = {s};
+  expect_error([&] { c.attend(one, 0, q.data(), 9, out.data()); }, errc::invalid_argument,
+               "holds 8 tokens, fewer than q_len = 9");
+  expect_error([&] { c.attend(one, 0, q.data(), 17, out.data()); }, errc::invalid_argument,
+               "q_len = 17");
+  // The capacity tier of 16 slots holds 8 blocks per layer at most: 2 layers x 8 = 16.
+  const sequence_id t = c.add_sequence();
+  append_random(c, t, 24, rng);  // 6 blocks per layer: 12 + 4 (sequence s) = 16 slots
+  expect_error([&] { append_random(c, t, 4, rng); }, errc::capacity_exceeded,
+               "capacity tier's 16 slots are all in use");
+  CHECK(c.audit() >= 0);
+}
+
+TEST_CASE("tiered_kv_cache: admission, dense vs OasisKV") {
+  const kv_layout smollm2{30, 9, 3, 64, 16, dtype::f16};
+  tiered_kv_cache<exact_lru> c(host_tier(smollm2, 64), host_tier(smollm2, 80),
+                               {.budget_tokens = 1024});
+  const std::uint64_t fast_bytes = std::uint64_t{8} << 30;
+  const admission_report r = c.admission(32768, fast_bytes);
+  CHECK(r.dense_bytes_per_sequence == 32768ull / 16 * 30 * smollm2.block_bytes());
+  CHECK(r.oasis_bytes_per_sequence == 30ull * 2 * 64 * smollm2.block_bytes());
+  CHECK(r.dense_sequences == fast_bytes / r.dense_bytes_per_sequence);
+  CHECK(r.oasis_sequences >= 15 * r.dense_sequences);  // 32k context, 2 x 1k staged: 16x
+}
+
+TEST_CASE("tiered_kv_cache: concurrent sequences, 100k operations, every invariant holds") {
+  // Threads own disjoint sequences (the documented contract) and share the cache, its tiers,
+  // its scheduler and its copy engine.
+  const kv_layout l{2, 2, 1, 8, 4, dtype::f32};
+  tiered_kv_cache<exact_lru> cache(host_tier(l, 512), host_tier(l, 48), {.budget_tokens = 12});
+  constexpr int threads = 2;
+  constexpr int ops_per_thread = 50000;
+  std::atomic<int> failures{0};
+  std::atomic<std::uint64_t> checked{0};
+  auto worker = [&](int id) {
+    std::mt19937 rng(100 + id);
+    std::vector<sequence_id> mine;
+    std::vector<float> out, lse, ref, ref_lse;
+    try {
+      for (int op = 0; op < ops_per_thread; ++op) {
+        const unsigned r = rng() % 100;
+        if (mine.empty() || (r < 3 && mine.size() < 4)) {
+          mine.push_back(cache.add_sequence());
+          append_random(cache, mine.back(), 1 + rng() % 9, rng);
+          continue;
+        }
+        const sequence_id s = mine[rng() % mine.size()];
+        const std::uint32_t layer = rng() % l.num_layers;
+        if (r < 5 && cache.length(s) > 48) {
+          cache.remove(s);
+          mine.erase(std::find(mine.begin(), mine.end(), s));
+        } else if (r < 7 && mine.size() < 4) {
+          mine.push_back(cache.fork(s));
+        } else if (r < 40) {
+          append_random(cache, s, 1 + rng() % 2, rng);
+        } else if (r < 70) {
+          auto draft = random_queries(l, 1 + rng() % 3, rng);
+          cache.lookahead(
+              s, layer,
+              {draft.data(), nullptr,
+               static_cast<std::uint32_t>(draft.size() / (l.num_q_heads * l.head_dim))});
+        } else {
+          auto q = random_queries(l, 1, rng);
+          out.resize(q.size());
+          lse.resize(l.num_q_heads);
+          const sequence_id one[1] = {s};
+          cache.attend(one, layer, q.data(), 1, out.data(), lse.data());
+          if (r >= 97) {  // the sparse result never exceeds dense attention's softmax mass
+            ref.resize(q.size());
+            ref_lse.resize(l.num_q_heads);
+            dense_reference(cache, s, layer, q.data(), 1, ref.data(), ref_lse.data());
+            for (std::uint32_t h = 0; h < l.num_q_heads; ++h) {
+              if (lse[h] > ref_lse[h] + 1e-4f) {
+                ++failures;
+              }
+            }
+            ++checked;
+          }
+        }
+      }
+    } catch (const std::exception& e) {
+      MESSAGE("worker " << id << ": " << e.what());
+      ++failures;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back(worker, t);
+  }
+  std::thread auditor([&] {
+    for (int i = 0; i < 20; ++i) {
+      try {
+        cache.audit();  // staged copies byte-equal to the capacity tier, bookkeeping consistent
+      } catch (const std::exception& e) {
+        MESSAGE("audit: " << e.what());
+        ++failures;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  for (auto& t : pool) {
+    t.join();
+  }
+  auditor.join();
+  CHECK(failures == 0);
+  CHECK(checked > 100);
+  CHECK(cache.audit() > 0);
+  const cache_stats st = cache.stats();
+  CHECK(st.resident_blocks <= 48);
+  MESSAGE("steps " << st.sequence_steps << ", hit rate " << st.hit_rate() << ", evicted "
+                   << st.blocks_evicted << " blocks");
+}
