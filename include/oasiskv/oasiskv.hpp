@@ -23,6 +23,7 @@
 
 #include "oasiskv/allocator/free_list_allocator.hpp"
 #include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/attention/cpu_sparse_decode.hpp"
 #include "oasiskv/attention/reference_decode.hpp"
 #include "oasiskv/attention/validate.hpp"
 #include "oasiskv/tier/host_tier.hpp"
