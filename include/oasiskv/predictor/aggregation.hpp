@@ -1,0 +1,133 @@
+//! @file
+//! @brief How a predictor folds the scores of many query rows (lookahead tokens x the q heads of
+//! a GQA group, and for a shared selection every KV head) into one score per block, and whether
+//! a sequence gets one selection or one per KV head.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace oasiskv {
+
+//! @brief What an aggregation sees of one KV head's raw scores `raw[block * num_rows + row]`.
+//! Row `r` is q head `r % group_size` of the group, of lookahead token `r / group_size`.
+struct aggregation_context {
+  std::uint32_t num_blocks = 0;
+  std::uint32_t num_rows = 0;
+  std::uint32_t group_size = 1;
+  float scale = 1.0f;              //!< 1/sqrt(head_dim): the attention logit scale
+  const float* weights = nullptr;  //!< [num_rows / group_size] token confidence, or null (all 1)
+};
+
+//! @brief The highest score over every row, and over KV heads for a shared selection: a block
+//! is kept if any draft of any head wants it. Right for one lookahead token; with many drafts
+//! each draft's peaks compete, so a block that one (possibly wrong) draft wants strongly beats a
+//! block that every draft wants moderately: the selection for the next step gets diluted.
+struct max_aggregation {
+  //! @brief `acc[i] = max(acc[i], max_r raw[i][r])`; `first` starts `acc` afresh.
+  void combine(const aggregation_context& c, const float* raw, float* acc, bool first) {
+    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
+      const float* s = raw + std::size_t{i} * c.num_rows;
+      float m = first ? -std::numeric_limits<float>::infinity() : acc[i];
+      for (std::uint32_t r = 0; r < c.num_rows; ++r) {
+        m = s[r] > m ? s[r] : m;
+      }
+      acc[i] = m;
+    }
+  }
+};
+
+namespace detail {
+
+//! @brief Per query row a softmax over the blocks' scaled scores, summed over rows with weight
+//! `w(row)`: the share of each row's (estimated) attention each block receives.
+class softmax_mass {
+ public:
+  template <class Weight>
+  void combine(const aggregation_context& c, const float* raw, float* acc, bool first,
+               Weight&& weight) {
+    const std::uint32_t n = c.num_rows;
+    row_max_.assign(n, -std::numeric_limits<float>::max());
+    row_sum_.assign(n, 0.0f);
+    exps_.resize(std::size_t{c.num_blocks} * n);
+    // Clamping to finite values keeps an overflowed bound (+inf) or an empty entry (-inf) from
+    // turning the subtraction below into NaN; such blocks take all, or none, of the mass.
+    constexpr float lim = std::numeric_limits<float>::max();
+    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
+      const float* s = raw + std::size_t{i} * n;
+      for (std::uint32_t r = 0; r < n; ++r) {
+        const float v = s[r] <= lim ? (s[r] >= -lim ? s[r] : -lim) : lim;
+        row_max_[r] = std::max(row_max_[r], v);
+      }
+    }
+    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
+      const float* s = raw + std::size_t{i} * n;
+      float* e = exps_.data() + std::size_t{i} * n;
+      for (std::uint32_t r = 0; r < n; ++r) {
+        const float v = s[r] <= lim ? (s[r] >= -lim ? s[r] : -lim) : lim;
+        e[r] = std::exp(c.scale * (v - row_max_[r]));
+        row_sum_[r] += e[r];
+      }
+    }
+    for (std::uint32_t r = 0; r < n; ++r) {
+      row_sum_[r] = weight(r / c.group_size) / row_sum_[r];  // row_sum_ >= 1: the max gives 1
+    }
+    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
+      const float* e = exps_.data() + std::size_t{i} * n;
+      float m = 0.0f;
+      for (std::uint32_t r = 0; r < n; ++r) {
+        m += e[r] * row_sum_[r];
+      }
+      acc[i] = first ? m : acc[i] + m;
+    }
+  }
+
+ private:
+  std::vector<float> row_max_, row_sum_, exps_;  // reused: steady state does not allocate
+};
+
+}  // namespace detail
+
+//! @brief Per query row a softmax over the blocks' scores (scaled by 1/sqrt(head_dim)), summed
+//! over rows (and KV heads for a shared selection): the estimated share of attention each block
+//! gets. Every draft has one unit of mass to give, so a block that all drafts want moderately
+//! outranks one that a single draft wants strongly, the opposite of `max_aggregation`.
+struct softmax_mass_aggregation {
+  void combine(const aggregation_context& c, const float* raw, float* acc, bool first) {
+    mass_.combine(c, raw, acc, first, [](std::uint32_t) { return 1.0f; });
+  }
+
+ private:
+  detail::softmax_mass mass_;
+};
+
+//! @brief `softmax_mass_aggregation` with each lookahead token's mass weighted by its draft
+//! confidence (`query_view::weights`, e.g. the draft model's probability of the token; all 1
+//! when null), so an unlikely draft moves the selection little.
+struct confidence_weighted_aggregation {
+  void combine(const aggregation_context& c, const float* raw, float* acc, bool first) {
+    const float* w = c.weights;
+    mass_.combine(c, raw, acc, first,
+                  [w](std::uint32_t token) { return w == nullptr ? 1.0f : w[token]; });
+  }
+
+ private:
+  detail::softmax_mass mass_;
+};
+
+//! @brief One selection per (sequence, layer), shared by every KV head: scores are aggregated
+//! over KV heads too. One block table per sequence; the fewest bytes to fetch.
+struct shared_selection {
+  static constexpr bool per_kv_head = false;
+};
+
+//! @brief One selection per KV head (`selection.tables == num_kv_heads`): each head keeps the
+//! blocks it attends to, at the cost of fetching a block's heads separately.
+struct per_kv_head_selection {
+  static constexpr bool per_kv_head = true;
+};
+
+}  // namespace oasiskv

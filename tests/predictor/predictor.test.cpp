@@ -1,0 +1,507 @@
+// Importance predictors: every model runs the same invariant cases (kept blocks, budget,
+// ascending tables, per-head tables, determinism, no allocation in steady state, bad input);
+// then what each one promises: exact top-k, the aggregations' documented difference, lookahead
+// with the true query == Quest, the oracle maximises attention mass, planted blocks are found.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <new>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "oasiskv/concepts/importance_predictor.hpp"
+#include "oasiskv/predictor/lookahead_predictor.hpp"
+#include "oasiskv/predictor/oracle_predictor.hpp"
+#include "oasiskv/predictor/recency_predictor.hpp"
+#include "oasiskv/summary/mean_summary.hpp"
+#include "oasiskv/summary/minmax_summary.hpp"
+#include "support/kv_fixture.hpp"
+
+// Counts heap allocations, so a test can show that steady-state select() makes none.
+namespace {
+std::atomic<long> allocations{0};
+}
+// gcc 12 pairs the replaced operator delete's free() with operator new and warns; they match.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void* operator new(std::size_t n) {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) {
+    return p;
+  }
+  throw std::bad_alloc();
+}
+// Every form that std::free can release must come from here too (stable_sort's temporary
+// buffer uses the nothrow one), or AddressSanitizer rightly reports a mismatch.
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  return std::malloc(n == 0 ? 1 : n);
+}
+void* operator new[](std::size_t n) {
+  return operator new(n);
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept {
+  return operator new(n, t);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+#pragma GCC diagnostic pop
+
+using namespace oasiskv;
+
+namespace {
+
+template <class F>
+void expect_error(F&& f, errc code, const std::string& needle) {
+  try {
+    f();
+    FAIL("expected oasiskv::error " << to_string(code));
+  } catch (const oasiskv::error& e) {
+    CHECK(e.code() == code);
+    INFO(std::string(e.what()));
+    CHECK(std::string(e.what()).find(needle) != std::string::npos);
+  }
+}
+
+// One (sequence, layer): random keys with block i in a shuffled slot, a summary of type S (none
+// for no_summary) whose entries are a shuffled subset of its capacity, and random queries.
+template <class S>
+struct world {
+  kv_layout layout;
+  std::uint32_t seq_len;
+  host_tier pool;
+  std::vector<slot_id> slots;
+  std::vector<std::uint32_t> ids;
+  std::optional<S> summary;
+  std::vector<float> q;
+  std::vector<float> weights;
+  std::uint32_t tokens;
+
+  world(const kv_layout& l, std::uint32_t len, std::uint32_t n, std::uint32_t seed)
+      : layout(l), seq_len(len), pool(l, l.blocks_for(len) + 2), tokens(n) {
+    std::mt19937 rng(seed);
+    testing::fill_random(pool, seed + 1);
+    const std::uint32_t blocks = l.blocks_for(len);
+    slots.resize(pool.num_slots());
+    std::iota(slots.begin(), slots.end(), 0u);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    slots.resize(blocks);
+    ids.resize(blocks + 3);
+    std::iota(ids.begin(), ids.end(), 0u);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    ids.resize(blocks);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f), conf(0.1f, 1.0f);
+    q.resize(std::size_t{n} * l.num_q_heads * l.head_dim);
+    for (float& x : q) {
+      x = dist(rng);
+    }
+    weights.resize(n);
+    for (float& x : weights) {
+      x = conf(rng);
+    }
+    rebuild();
+  }
+
+  // (Re)folds every block's keys into a fresh summary.
+  void rebuild() {
+    if constexpr (!std::is_same_v<S, no_summary>) {
+      const std::uint32_t blocks = layout.blocks_for(seq_len);
+      summary.emplace(layout, blocks + 3);
+      for (std::uint32_t i = 0; i < blocks; ++i) {
+        const std::uint32_t fill =
+            std::min(layout.tokens_per_block, seq_len - i * layout.tokens_per_block);
+        summary->update(ids[i], pool.slot_data(slots[i]), 0, fill);
+      }
+    }
+  }
+
+  prediction_input<S> input() const {
+    prediction_input<S> in;
+    in.layout = layout;
+    in.seq_len = seq_len;
+    if constexpr (!std::is_same_v<S, no_summary>) {
+      in.summaries = &*summary;
+    }
+    in.summary_ids = ids;
+    in.queries = {q.data(), weights.data(), tokens};
+    in.keys = pool.view();
+    in.key_slots = slots;
+    return in;
+  }
+};
+
+// Every invariant of importance_predictor::select.
+void check_selection(const selection& s, std::uint32_t blocks, const selection_params& sp,
+                     std::uint32_t tables) {
+  REQUIRE(s.tables == tables);
+  REQUIRE(s.offsets.size() == tables + 1);
+  CHECK(s.offsets.front() == 0);
+  CHECK(s.offsets.back() == s.blocks.size());
+  for (std::uint32_t t = 0; t < tables; ++t) {
+    const auto tab = s.table(t);
+    CHECK(tab.size() == std::min(sp.budget_blocks, blocks));
+    CHECK(std::adjacent_find(tab.begin(), tab.end(), std::greater_equal<>()) == tab.end());
+    CHECK(tab.back() == blocks - 1);  // the newest token's (possibly partial) block
+    for (std::uint32_t i = 0; i < std::min(sp.sink_blocks, blocks); ++i) {
+      CHECK(std::binary_search(tab.begin(), tab.end(), i));
+    }
+    for (std::uint32_t i = 0; i < std::min(sp.recent_blocks, blocks); ++i) {
+      CHECK(std::binary_search(tab.begin(), tab.end(), blocks - 1 - i));
+    }
+  }
+}
+
+template <class P>
+constexpr bool reads_queries = !std::is_same_v<P, recency_predictor> &&
+                               !std::is_same_v<P, basic_recency_predictor<per_kv_head_selection>>;
+template <class P>
+constexpr bool is_oracle = std::is_same_v<typename P::summary_type, no_summary>&& reads_queries<P>;
+template <class P>
+constexpr bool per_head = P::granularity_type::per_kv_head;
+
+}  // namespace
+
+#define OASISKV_PREDICTORS                                                                \
+  lookahead_predictor<minmax_summary<>>, lookahead_predictor<mean_summary>,               \
+      lookahead_predictor<minmax_summary<>, softmax_mass_aggregation>,                    \
+      lookahead_predictor<minmax_summary<bf16>, confidence_weighted_aggregation,          \
+                          per_kv_head_selection>,                                         \
+      lookahead_predictor<minmax_summary<float>, max_aggregation, per_kv_head_selection>, \
+      current_query_predictor<minmax_summary<>>,                                          \
+      current_query_predictor<mean_summary, per_kv_head_selection>, recency_predictor,    \
+      basic_recency_predictor<per_kv_head_selection>, oracle_predictor<>,                 \
+      oracle_predictor<per_kv_head_selection>
+
+TEST_CASE_TEMPLATE("importance predictor: selection invariants", P, OASISKV_PREDICTORS) {
+  static_assert(importance_predictor<P>);
+  using S = typename P::summary_type;
+  const kv_layout l{1, 8, 2, 16, 4, dtype::f16};
+  const selection_params params[] = {{2, 1, 1}, {5, 1, 2}, {8, 2, 3},  {3, 0, 0},
+                                     {1, 0, 0}, {7, 3, 1}, {100, 1, 1}};
+  for (const std::uint32_t len : {1u, 3u, 4u, 17u, 64u, 203u}) {
+    for (const std::uint32_t n : {1u, 3u}) {
+      world<S> w(l, len, n, len * 7 + n);
+      for (const selection_params& sp : params) {
+        CAPTURE(len);
+        CAPTURE(n);
+        CAPTURE(sp.budget_blocks);
+        CAPTURE(sp.sink_blocks);
+        CAPTURE(sp.recent_blocks);
+        P p;
+        selection s;
+        const long first_call = allocations.load();
+        p.select(w.input(), sp, s);
+        CHECK(allocations.load() > first_call);  // the counter sees this binary's allocations
+        check_selection(s, l.blocks_for(len), sp, per_head<P> ? l.num_kv_heads : 1);
+        // Deterministic: again with the same object, and with a fresh one.
+        selection again, fresh;
+        p.select(w.input(), sp, again);
+        P{}.select(w.input(), sp, fresh);
+        CHECK(again.blocks == s.blocks);
+        CHECK(fresh.blocks == s.blocks);
+        // Steady state: the predictor and the selection reuse their buffers.
+        const long before = allocations.load();
+        p.select(w.input(), sp, s);
+        CHECK(allocations.load() - before == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("importance predictor: bad input names the value", P, OASISKV_PREDICTORS) {
+  using S = typename P::summary_type;
+  const kv_layout l{1, 8, 2, 16, 4, dtype::f16};
+  world<S> w(l, 40, 2, 3);
+  P p;
+  selection s;
+  const selection_params ok{4, 1, 1};
+  auto in = w.input();
+  expect_error([&] { p.select(in, {2, 2, 1}, s); }, errc::invalid_argument, "budget_blocks = 2");
+  expect_error([&] { p.select(in, {2, 2, 0}, s); }, errc::invalid_argument, "budget_blocks = 2");
+  in.seq_len = 0;
+  expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "seq_len is 0");
+  in = w.input();
+  in.layout.num_kv_heads = 3;
+  expect_error([&] { p.select(in, ok, s); }, errc::invalid_layout, "num_kv_heads = 3");
+  if constexpr (reads_queries<P>) {
+    in = w.input();
+    in.queries.data = nullptr;
+    expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "data is null");
+    in = w.input();
+    in.queries.num_tokens = 0;
+    expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "num_tokens = 0");
+    in.queries.num_tokens = 17;
+    expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "num_tokens = 17");
+    in = w.input();
+    const float bad_weights[2] = {1.0f, -0.5f};
+    in.queries.weights = bad_weights;
+    expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "weights[1] = -0.5");
+  }
+  if constexpr (!std::is_same_v<S, no_summary>) {
+    in = w.input();
+    in.summary_ids = std::span(w.ids).first(9);
+    expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument,
+                 "summary_ids.size() = 9 but seq_len = 40 needs 10 blocks");
+    std::vector<std::uint32_t> ids = w.ids;
+    ids[4] = w.summary->capacity();
+    in.summary_ids = ids;
+    expect_error([&] { p.select(in, ok, s); }, errc::out_of_range, "summary_ids[4] = 13");
+    in = w.input();
+    in.summaries = nullptr;
+    expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "summaries is null");
+  }
+  if constexpr (is_oracle<P>) {
+    in = w.input();
+    in.key_slots = {};
+    expect_error([&] { p.select(in, ok, s); }, errc::unsupported, "exact keys");
+    in = w.input();
+    in.keys = {};
+    expect_error([&] { p.select(in, ok, s); }, errc::unsupported, "exact keys");
+    in = w.input();
+    in.key_slots = std::span(w.slots).first(3);
+    expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "key_slots.size() = 3");
+  }
+}
+
+TEST_CASE("block_selector: the top-k is the top of a full sort, ties to the lower index") {
+  std::mt19937 rng(9);
+  block_selector sel;
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::uint32_t n = 1 + rng() % 300;
+    const selection_params sp{1 + static_cast<std::uint32_t>(rng() % (n + 5)) + 2,
+                              static_cast<std::uint32_t>(rng() % 3),
+                              static_cast<std::uint32_t>(rng() % 3)};
+    if (sp.budget_blocks < sp.sink_blocks + std::max(sp.recent_blocks, 1u)) {
+      continue;
+    }
+    std::vector<float> scores(n);
+    for (float& s : scores) {  // few distinct values: many ties; now and then NaN or infinity
+      const auto v = rng() % 40;
+      s = v == 0   ? std::numeric_limits<float>::quiet_NaN()
+          : v == 1 ? std::numeric_limits<float>::infinity()
+                   : static_cast<float>(v % 6);
+    }
+    std::vector<std::uint32_t> got;
+    sel.append_table(scores.data(), n, sp, got);
+    // Reference: keep sinks and recent, fully sort the rest by (score desc, index asc).
+    std::vector<std::uint32_t> want;
+    if (sp.budget_blocks >= n) {
+      want.resize(n);
+      std::iota(want.begin(), want.end(), 0u);
+    } else {
+      const std::uint32_t sinks = std::min(sp.sink_blocks, n);
+      const std::uint32_t recent = std::min(std::max(sp.recent_blocks, 1u), n - sinks);
+      std::vector<std::uint32_t> cand(n - sinks - recent);
+      std::iota(cand.begin(), cand.end(), sinks);
+      auto key = [&](std::uint32_t i) {
+        return std::isnan(scores[i]) ? std::numeric_limits<float>::infinity() : scores[i];
+      };
+      std::stable_sort(cand.begin(), cand.end(),
+                       [&](std::uint32_t a, std::uint32_t b) { return key(a) > key(b); });
+      cand.resize(sp.budget_blocks - sinks - recent);
+      for (std::uint32_t i = 0; i < sinks; ++i) {
+        want.push_back(i);
+      }
+      for (std::uint32_t i = n - recent; i < n; ++i) {
+        want.push_back(i);
+      }
+      want.insert(want.end(), cand.begin(), cand.end());
+      std::sort(want.begin(), want.end());
+    }
+    CHECK(got == want);
+  }
+}
+
+namespace {
+// A summary written outside the library, which returns scripted scores: block_summary models
+// drop into the predictors unchanged, and the aggregations can be shown a constructed case.
+struct scripted_summary {
+  std::vector<float> table;  // [entries][rows]
+  std::uint32_t rows = 1, entries = 0;
+  scripted_summary(const kv_layout&, std::uint32_t capacity) : entries(capacity) {}
+  std::uint32_t capacity() const { return entries; }
+  void reset(std::uint32_t) {}
+  void update(std::uint32_t, const std::byte*, std::uint32_t, std::uint32_t) {}
+  void score(std::uint32_t, std::span<const std::uint32_t> ids, const float*, std::uint32_t n,
+             float* out) const {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      for (std::uint32_t r = 0; r < n; ++r) {
+        out[i * n + r] = table[ids[i] * rows + r];
+      }
+    }
+  }
+  std::size_t bytes_per_block() const { return 0; }
+};
+static_assert(block_summary<scripted_summary>);
+}  // namespace
+
+TEST_CASE("aggregation: max follows one draft's spike, softmax mass follows the consensus") {
+  // Eight drafts, six blocks, room for one block besides the sink and the last block. Draft 0
+  // wants block 1 strongly (score 40); all eight want block 3 a little less (30).
+  const kv_layout l{1, 1, 1, 8, 16, dtype::f32};
+  const std::uint32_t drafts = 8, blocks = 6;
+  scripted_summary sum(l, blocks);
+  sum.rows = drafts;
+  sum.table.assign(blocks * drafts, 0.0f);
+  sum.table[1 * drafts + 0] = 40.0f;
+  for (std::uint32_t r = 0; r < drafts; ++r) {
+    sum.table[3 * drafts + r] = 30.0f;
+  }
+  std::vector<float> q(drafts * 8, 0.0f);
+  std::vector<std::uint32_t> ids(blocks);
+  std::iota(ids.begin(), ids.end(), 0u);
+  prediction_input<scripted_summary> in{l, blocks * 16, &sum, ids, {q.data(), nullptr, drafts}};
+  const selection_params sp{3, 1, 1};
+  selection s;
+
+  lookahead_predictor<scripted_summary, max_aggregation>{}.select(in, sp, s);
+  CHECK(s.blocks == std::vector<std::uint32_t>{0, 1, 5});
+  lookahead_predictor<scripted_summary, softmax_mass_aggregation>{}.select(in, sp, s);
+  CHECK(s.blocks == std::vector<std::uint32_t>{0, 3, 5});
+  // Unweighted, confidence weighting is softmax mass; trusting draft 0 restores its choice.
+  lookahead_predictor<scripted_summary, confidence_weighted_aggregation>{}.select(in, sp, s);
+  CHECK(s.blocks == std::vector<std::uint32_t>{0, 3, 5});
+  const float w[drafts] = {1.0f, 0.01f, 0.01f, 0.01f, 0.01f, 0.01f, 0.01f, 0.01f};
+  in.queries.weights = w;
+  lookahead_predictor<scripted_summary, confidence_weighted_aggregation>{}.select(in, sp, s);
+  CHECK(s.blocks == std::vector<std::uint32_t>{0, 1, 5});
+}
+
+TEST_CASE_TEMPLATE("lookahead with the true next query reproduces Quest", G, shared_selection,
+                   per_kv_head_selection) {
+  const kv_layout l{1, 8, 2, 64, 16, dtype::f16};
+  world<minmax_summary<>> w(l, 2000, 1, 17);
+  const selection_params sp{20, 1, 2};
+  selection a, b;
+  lookahead_predictor<minmax_summary<>, max_aggregation, G>{}.select(w.input(), sp, a);
+  current_query_predictor<minmax_summary<>, G>{}.select(w.input(), sp, b);
+  CHECK(a.tables == b.tables);
+  CHECK(a.offsets == b.offsets);
+  CHECK(a.blocks == b.blocks);
+}
+
+namespace {
+// Attention mass of each block, summed over every query row (and KV heads when h < 0).
+std::vector<double> exact_mass(const world<no_summary>& w, int head) {
+  const kv_layout& l = w.layout;
+  const std::uint32_t blocks = l.blocks_for(w.seq_len), d = l.head_dim;
+  std::vector<double> mass(blocks, 0.0);
+  for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+    if (head >= 0 && static_cast<std::uint32_t>(head) != h) {
+      continue;
+    }
+    for (std::uint32_t t = 0; t < w.tokens; ++t) {
+      for (std::uint32_t g = 0; g < l.group_size(); ++g) {
+        const float* q = w.q.data() + (std::size_t{t} * l.num_q_heads + h * l.group_size() + g) * d;
+        std::vector<double> logit(w.seq_len);
+        for (std::uint32_t p = 0; p < w.seq_len; ++p) {
+          const auto* k = reinterpret_cast<const float*>(
+                              w.pool.slot_data(w.slots[p / l.tokens_per_block]) + l.key_offset(h)) +
+                          std::size_t{p % l.tokens_per_block} * d;
+          double dot = 0.0;
+          for (std::uint32_t x = 0; x < d; ++x) {
+            dot += double{q[x]} * k[x];
+          }
+          logit[p] = dot / std::sqrt(double(d));
+        }
+        const double m = *std::max_element(logit.begin(), logit.end());
+        double z = 0.0;
+        for (double v : logit) {
+          z += std::exp(v - m);
+        }
+        for (std::uint32_t p = 0; p < w.seq_len; ++p) {
+          mass[p / l.tokens_per_block] += std::exp(logit[p] - m) / z;
+        }
+      }
+    }
+  }
+  return mass;
+}
+}  // namespace
+
+TEST_CASE("oracle_predictor: its selection carries the most attention mass") {
+  const kv_layout l{1, 4, 2, 8, 4, dtype::f32};
+  for (std::uint32_t seed = 0; seed < 10; ++seed) {
+    world<no_summary> w(l, 30, 2, seed);  // 8 blocks, the last holds 2 tokens
+    for (float& x : w.q) {
+      x *= 4.0f;  // sharper attention: distinct masses
+    }
+    const selection_params sp{5, 1, 1};  // 3 of the 6 middle blocks
+    for (int head = -1; head < 2; ++head) {
+      const auto mass = exact_mass(w, head);
+      double best = -1.0;
+      for (std::uint32_t a = 1; a < 7; ++a) {  // brute force over every choice
+        for (std::uint32_t b = a + 1; b < 7; ++b) {
+          for (std::uint32_t c = b + 1; c < 7; ++c) {
+            best = std::max(best, mass[a] + mass[b] + mass[c]);
+          }
+        }
+      }
+      selection s;
+      if (head < 0) {
+        oracle_predictor<>{}.select(w.input(), sp, s);
+      } else {
+        oracle_predictor<per_kv_head_selection>{}.select(w.input(), sp, s);
+      }
+      const auto tab = s.table(head < 0 ? 0 : static_cast<std::uint32_t>(head));
+      double got = 0.0;
+      for (const std::uint32_t i : tab) {
+        got += (i == 0 || i == 7) ? 0.0 : mass[i];
+      }
+      CHECK(got == doctest::Approx(best).epsilon(1e-6));
+    }
+  }
+}
+
+TEST_CASE("lookahead_predictor<minmax_summary>: finds blocks with planted high-scoring tokens") {
+  const kv_layout l{1, 8, 2, 64, 16, dtype::f16};
+  world<minmax_summary<>> w(l, 4096, 2, 23);  // 256 blocks of keys uniform in [-1, 1]
+  const std::uint32_t planted[] = {17, 60, 111, 150, 233};
+  for (std::uint32_t i = 0; i < 5; ++i) {
+    // A key along one query row of one KV head's group, outside the random keys' range.
+    const std::uint32_t h = i % 2, tok = (i / 2) % 2, g = i % 4;
+    const float* q = w.q.data() + (std::size_t{tok} * l.num_q_heads + h * l.group_size() + g) * 64;
+    auto* k =
+        reinterpret_cast<f16*>(w.pool.slot_data(w.slots[planted[i]]) + l.key_offset(h)) + 5 * 64;
+    for (std::uint32_t x = 0; x < 64; ++x) {
+      k[x] = f16::from_float(q[x] >= 0.0f ? 2.0f : -2.0f);
+    }
+  }
+  w.rebuild();
+  const selection_params sp{16, 1, 1};
+  selection shared, heads;
+  lookahead_predictor<minmax_summary<>>{}.select(w.input(), sp, shared);
+  lookahead_predictor<minmax_summary<>, max_aggregation, per_kv_head_selection>{}.select(w.input(),
+                                                                                         sp, heads);
+  for (std::uint32_t i = 0; i < 5; ++i) {
+    CAPTURE(planted[i]);
+    const auto t = shared.table(0);
+    CHECK(std::binary_search(t.begin(), t.end(), planted[i]));
+    const auto th = heads.table(i % 2);
+    CHECK(std::binary_search(th.begin(), th.end(), planted[i]));
+  }
+}

@@ -1,0 +1,293 @@
+// Block summaries: every model runs the same cases (incremental == bulk, reset, bad input,
+// every scoring path agrees); then what each one promises (minmax: an upper bound, tight on one
+// token; mean: the mean key's dot product).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/summary/mean_summary.hpp"
+#include "oasiskv/summary/minmax_summary.hpp"
+#include "support/kv_fixture.hpp"
+
+using namespace oasiskv;
+
+namespace {
+
+template <class F>
+void expect_error(F&& f, errc code, const std::string& needle) {
+  try {
+    f();
+    FAIL("expected oasiskv::error " << to_string(code));
+  } catch (const oasiskv::error& e) {
+    CHECK(e.code() == code);
+    INFO(std::string(e.what()));
+    CHECK(std::string(e.what()).find(needle) != std::string::npos);
+  }
+}
+
+// The key of (slot, kv head, token) as f32.
+std::vector<float> key_of(const host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok) {
+  const kv_layout& l = t.layout();
+  std::vector<float> k(l.head_dim);
+  visit_dtype(l.kv_dtype, [&](auto elem) {
+    using T = decltype(elem);
+    const T* p = reinterpret_cast<const T*>(t.slot_data(s) + l.key_offset(h)) +
+                 std::size_t{tok} * l.head_dim;
+    for (std::uint32_t x = 0; x < l.head_dim; ++x) {
+      k[x] = to_float(p[x]);
+    }
+  });
+  return k;
+}
+
+std::vector<float> random_queries(std::uint32_t n, std::uint32_t d, std::uint32_t seed,
+                                  float zero_share = 0.1f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f), coin(0.0f, 1.0f);
+  std::vector<float> q(std::size_t{n} * d);
+  for (float& x : q) {
+    x = coin(rng) < zero_share ? 0.0f : dist(rng);  // zeros exercise the q+ / q- split
+  }
+  return q;
+}
+
+std::vector<float> scores(const auto& s, std::uint32_t h, const std::vector<std::uint32_t>& ids,
+                          const std::vector<float>& q, std::uint32_t n) {
+  std::vector<float> out(ids.size() * n);
+  s.score(h, ids, q.data(), n, out.data());
+  return out;
+}
+
+constexpr dtype all_dtypes[] = {dtype::f32, dtype::f16, dtype::bf16};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("block summary: incremental == bulk, reset, every scoring path", S,
+                   minmax_summary<f16>, minmax_summary<bf16>, minmax_summary<float>, mean_summary) {
+  static_assert(block_summary<S>);
+  for (const dtype dt : all_dtypes) {
+    CAPTURE(to_string(dt));
+    const kv_layout l{1, 8, 2, 24, 16, dt};  // head_dim 24: 8 mod 16 exercises the tail
+    host_tier pool(l, 3);
+    testing::fill_random(pool, 11);
+    const std::uint32_t fill[3] = {16, 16, 7};  // the last block is partial
+    const std::vector<std::uint32_t> ids{0, 1, 2};
+
+    {  // one token at a time, two chunks and one bulk update give the same entry
+      S bulk(l, 3), single(l, 3), chunks(l, 3);
+      for (std::uint32_t b = 0; b < 3; ++b) {
+        bulk.update(b, pool.slot_data(b), 0, fill[b]);
+        for (std::uint32_t t = 0; t < fill[b]; ++t) {
+          single.update(b, pool.slot_data(b), t, 1);
+        }
+        chunks.update(b, pool.slot_data(b), 0, 5);
+        chunks.update(b, pool.slot_data(b), 5, fill[b] - 5);
+        CHECK(bulk.tokens(b) == fill[b]);
+      }
+      const std::vector<float> q = random_queries(5, l.head_dim, 3);
+      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+        const auto a = scores(bulk, h, ids, q, 5);
+        const auto b = scores(single, h, ids, q, 5);
+        const auto c = scores(chunks, h, ids, q, 5);
+        CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)) == 0);
+      }
+    }
+
+    {  // reset empties an entry, which scores -inf
+      S s(l, 3);
+      s.update(1, pool.slot_data(1), 0, 16);
+      s.reset(1);
+      CHECK(s.tokens(1) == 0);
+      const std::vector<float> q = random_queries(2, l.head_dim, 4);
+      for (float v : scores(s, 0, {1, 2}, q, 2)) {
+        CHECK(v == -std::numeric_limits<float>::infinity());
+      }
+    }
+
+    {  // every scoring path agrees with the scalar one
+      S s(l, 3);
+      for (std::uint32_t b = 0; b < 3; ++b) {
+        s.update(b, pool.slot_data(b), 0, fill[b]);
+      }
+      s.set_isa(score_isa::scalar);
+      for (const std::uint32_t n : {1u, 3u, 8u, 13u}) {
+        const std::vector<float> q = random_queries(n, l.head_dim, n);
+        const std::vector<std::uint32_t> order{2, 0, 1, 0};
+        const auto ref = scores(s, 1, order, q, n);
+        for (const score_isa isa : {score_isa::avx2, score_isa::avx512}) {
+          if (!score_isa_supported(isa)) {
+            continue;
+          }
+          S v(l, 3, isa);
+          for (std::uint32_t b = 0; b < 3; ++b) {
+            v.update(b, pool.slot_data(b), 0, fill[b]);
+          }
+          const auto got = scores(v, 1, order, q, n);
+          for (std::size_t i = 0; i < ref.size(); ++i) {
+            CHECK(got[i] == doctest::Approx(ref[i]).epsilon(1e-5));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("block summary: bad input and memory", S, minmax_summary<f16>,
+                   minmax_summary<bf16>, minmax_summary<float>, mean_summary) {
+  SUBCASE("bad input names the value") {
+    const kv_layout l{1, 4, 2, 16, 8, dtype::f16};
+    host_tier pool(l, 1);
+    S s(l, 4);
+    std::vector<float> q(16, 1.0f), out(4);
+    const std::vector<std::uint32_t> bad_ids{0, 4};
+    expect_error([&] { s.reset(4); }, errc::out_of_range, "entry 4");
+    expect_error([&] { s.update(7, pool.slot_data(0), 0, 1); }, errc::out_of_range, "entry 7");
+    expect_error([&] { s.update(0, pool.slot_data(0), 6, 3); }, errc::out_of_range, "[6, 9)");
+    expect_error([&] { s.update(0, nullptr, 0, 1); }, errc::invalid_argument, "null");
+    expect_error([&] { s.score(2, bad_ids, q.data(), 1, out.data()); }, errc::out_of_range,
+                 "kv head 2");
+    expect_error([&] { s.score(0, bad_ids, q.data(), 1, out.data()); }, errc::out_of_range,
+                 "entry 4");
+    expect_error([&] { S bad(l, 0); }, errc::invalid_argument, "capacity");
+    expect_error(
+        [&] {
+          S bad(kv_layout{1, 4, 3, 16, 8, dtype::f16}, 1);
+        },
+        errc::invalid_layout, "num_kv_heads = 3");
+  }
+
+  SUBCASE("an entry costs far less than the block it describes") {
+    const kv_layout l{32, 32, 8, 128, 16, dtype::f16};
+    S s(l, 1);
+    CAPTURE(s.bytes_per_block());
+    CHECK(s.bytes_per_block() * 4 <= l.block_bytes());
+  }
+}
+
+TEST_CASE("directed rounding brackets the value and stays one step from it") {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-100.0f, 100.0f);
+  for (int i = 0; i < 20000; ++i) {
+    const float x = i < 4 ? (i < 2 ? 0.0f : 1e-7f) * (i % 2 ? -1.0f : 1.0f) : dist(rng);
+    const f16 lo = detail::round_down<f16>(x), hi = detail::round_up<f16>(x);
+    CHECK(lo.to_float() <= x);
+    CHECK(hi.to_float() >= x);
+    CHECK(detail::next_toward_pos_inf(lo).to_float() >= x);
+    const bf16 blo = detail::round_down<bf16>(x), bhi = detail::round_up<bf16>(x);
+    CHECK(blo.to_float() <= x);
+    CHECK(bhi.to_float() >= x);
+  }
+  CHECK(detail::round_up<f16>(65505.0f).to_float() == std::numeric_limits<float>::infinity());
+  CHECK(detail::round_down<f16>(65505.0f).to_float() == 65504.0f);
+}
+
+TEST_CASE_TEMPLATE("minmax_summary: an upper bound of every token's dot product", Storage, f16,
+                   bf16, float) {
+  for (const dtype dt : all_dtypes) {
+    for (const std::uint32_t d : {24u, 64u, 128u}) {
+      CAPTURE(to_string(dt));
+      CAPTURE(d);
+      const kv_layout l{1, 6, 3, d, 16, dt};
+      const std::uint32_t nblocks = 12;
+      host_tier pool(l, nblocks);
+      testing::fill_random(pool, d + 7);
+      minmax_summary<Storage> s(l, nblocks);
+      std::vector<std::uint32_t> fill(nblocks), ids(nblocks);
+      for (std::uint32_t b = 0; b < nblocks; ++b) {
+        fill[b] = b < 3 ? 1 : (b % 5 == 0 ? 9 : 16);  // blocks 0-2 hold one token
+        s.update(b, pool.slot_data(b), 0, fill[b]);
+        ids[b] = b;
+      }
+      const std::uint32_t n = 7;
+      const std::vector<float> q = random_queries(n, d, d);
+      // The stored bounds describe the keys exactly when the storage type holds the KV type.
+      const bool exact = std::is_same_v<Storage, float> || dtype_of<Storage> == dt;
+      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+        const auto bound = scores(s, h, ids, q, n);
+        for (std::uint32_t b = 0; b < nblocks; ++b) {
+          for (std::uint32_t r = 0; r < n; ++r) {
+            double best = -1e300, mag = 0.0;
+            for (std::uint32_t t = 0; t < fill[b]; ++t) {
+              const auto k = key_of(pool, b, h, t);
+              double dot = 0.0;
+              for (std::uint32_t x = 0; x < d; ++x) {
+                dot += double{q[r * d + x]} * k[x];
+                mag += std::abs(double{q[r * d + x]} * k[x]);
+              }
+              best = std::max(best, dot);
+            }
+            const double got = bound[b * n + r];
+            const double slack = 1e-5 * mag / fill[b] + 1e-6;  // f32 summation error
+            CHECK(got >= best - slack);
+            if (fill[b] == 1 && exact) {
+              CHECK(got <= best + slack);  // tight: one token's bound is its dot product
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("minmax_summary: a key beyond f16 range scores +inf, never NaN") {
+  const kv_layout l{1, 1, 1, 8, 4, dtype::f32};
+  host_tier pool(l, 1);
+  std::memset(pool.slot_data(0), 0, l.block_bytes());
+  reinterpret_cast<float*>(pool.slot_data(0))[0] = 1e6f;
+  minmax_summary<f16> s(l, 1);
+  s.update(0, pool.slot_data(0), 0, 1);
+  std::vector<float> q(8, 0.0f), out(1);  // q[0] = 0 meets the infinite maximum
+  const std::vector<std::uint32_t> ids{0};
+  s.score(0, ids, q.data(), 1, out.data());
+  CHECK(out[0] == std::numeric_limits<float>::infinity());
+  q[0] = 1.0f;
+  s.score(0, ids, q.data(), 1, out.data());
+  CHECK(out[0] == std::numeric_limits<float>::infinity());
+  minmax_summary<bf16> wide(l, 1);  // bf16 has f32's range: the bound stays finite
+  wide.update(0, pool.slot_data(0), 0, 1);
+  wide.score(0, ids, q.data(), 1, out.data());
+  CHECK(out[0] >= 1e6f);
+  CHECK(out[0] < 1.01e6f);
+}
+
+TEST_CASE("mean_summary: the dot product with the mean key") {
+  for (const dtype dt : all_dtypes) {
+    CAPTURE(to_string(dt));
+    const kv_layout l{1, 4, 2, 64, 16, dt};
+    host_tier pool(l, 4);
+    testing::fill_random(pool, 21);
+    mean_summary s(l, 4);
+    const std::uint32_t fill[4] = {16, 3, 16, 1};
+    for (std::uint32_t b = 0; b < 4; ++b) {
+      s.update(b, pool.slot_data(b), 0, fill[b]);
+    }
+    const std::vector<float> q = random_queries(3, 64, 8);
+    const std::vector<std::uint32_t> ids{3, 2, 1, 0};
+    for (std::uint32_t h = 0; h < 2; ++h) {
+      const auto got = scores(s, h, ids, q, 3);
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const std::uint32_t b = ids[i];
+        for (std::uint32_t r = 0; r < 3; ++r) {
+          double want = 0.0;
+          for (std::uint32_t t = 0; t < fill[b]; ++t) {
+            const auto k = key_of(pool, b, h, t);
+            for (std::uint32_t x = 0; x < 64; ++x) {
+              want += double{q[r * 64 + x]} * k[x] / fill[b];
+            }
+          }
+          CHECK(got[i * 3 + r] == doctest::Approx(want).epsilon(1e-4).scale(1.0));
+        }
+      }
+    }
+    expect_error([&] { s.update(1, pool.slot_data(1), 0, 14); }, errc::out_of_range,
+                 "would hold 17 tokens");
+  }
+}
