@@ -36,4 +36,4 @@ oasiskv_find_cuda() {
 }
 
 OASISKV_BASE_PACKAGES=(cmake ninja-build g++ git ca-certificates doctest-dev libfmt-dev
-  libbenchmark-dev libopenblas-dev clang-format-14)
+  libbenchmark-dev libopenblas-dev clang-format-14 liburing-dev pkg-config)

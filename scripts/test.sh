@@ -64,7 +64,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 
 echo "== build and test: ThreadSanitizer, concurrent parts (preset tsan)"
 cmake --preset tsan >/dev/null
-cmake --build --preset tsan -j "$jobs"
+cmake --build --preset tsan -j "$jobs" --target oasiskv_concurrent_tests
 TSAN_OPTIONS=halt_on_error=1 run_ctest build/tsan -L concurrent
 
 echo "test.sh: $passed passed, $failed failed, $skipped skipped"

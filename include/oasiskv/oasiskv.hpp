@@ -30,5 +30,11 @@
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
 
 #include "oasiskv/kv_cache.hpp"
+#include "oasiskv/predictor/aggregation.hpp"
+#include "oasiskv/predictor/lookahead_predictor.hpp"
+#include "oasiskv/predictor/oracle_predictor.hpp"
+#include "oasiskv/predictor/recency_predictor.hpp"
 #include "oasiskv/scheduler/eviction.hpp"
 #include "oasiskv/scheduler/staging_scheduler.hpp"
+#include "oasiskv/summary/mean_summary.hpp"
+#include "oasiskv/summary/minmax_summary.hpp"

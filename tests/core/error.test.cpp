@@ -14,7 +14,7 @@ TEST_CASE("oasiskv::error carries its code and a prefixed message") {
     const std::error_code ec = e.error_code();
     CHECK(ec == oasiskv::errc::invalid_slot);
     CHECK(std::string(ec.category().name()) == "oasiskv");
-    CHECK(ec.message() == "null_slot");
+    CHECK(ec.message() == "invalid_slot");
   }
   // small integer types print as numbers, not characters
   try {

@@ -1,11 +1,12 @@
 //! @file
-//! @brief The `tier_backend` concept and its refinements `addressable_tier` and
-//! `host_accessible_tier`.
+//! @brief The `tier_backend` concept and its refinements `addressable_tier`,
+//! `host_accessible_tier`, `block_io_tier` and `batched_block_io_tier`.
 #pragma once
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string_view>
 
 #include "oasiskv/core/ids.hpp"
@@ -90,6 +91,41 @@ concept block_io_tier = tier_backend<T> &&
     requires(T& t, const T& ct, slot_id s, std::byte* out, const std::byte* in) {
   { ct.read_block(s, out) } -> std::same_as<void>;
   { t.write_block(s, in) } -> std::same_as<void>;
+};
+
+//! @brief One block to read from a block-I/O tier: slot `slot` into the `layout().block_bytes()`
+//! bytes at `out`.
+struct block_read {
+  slot_id slot = null_slot;
+  std::byte* out = nullptr;
+};
+
+//! @brief One block to write to a block-I/O tier: the `layout().block_bytes()` bytes at `in` into
+//! slot `slot`.
+struct block_write {
+  slot_id slot = null_slot;
+  const std::byte* in = nullptr;
+};
+
+//! @brief A block-I/O tier that takes a batch of blocks in one call and keeps them in flight
+//! together (io_uring submissions, a thread pool), which scattered blocks on an SSD or a network
+//! need to approach the device's bandwidth. A transfer engine issues one call per batch.
+//!
+//! Additional expressions, for `t` a `T&`, `ct` a `const T&`, `r` a
+//! `std::span<const block_read>`, `w` a `std::span<const block_write>`:
+//! - `ct.read_blocks(r)`: performs every read of `r`; returns when all have completed.
+//! - `t.write_blocks(w)`: performs every write of `w`; returns when all have completed (the
+//!   bytes are with the tier: later reads see them).
+//! Order within a batch is unspecified, so a slot should appear at most once among a batch's
+//! writes. Every slot is checked before anything moves (`errc::invalid_slot`). A failure is
+//! reported by throwing once every request already started has finished, so the caller's
+//! buffers are free when the call returns or throws; some requests may then have completed.
+//! Safe to call concurrently from several threads for distinct slots. O(batch size) work.
+template <class T>
+concept batched_block_io_tier = block_io_tier<T> &&
+    requires(T& t, const T& ct, std::span<const block_read> r, std::span<const block_write> w) {
+  { ct.read_blocks(r) } -> std::same_as<void>;
+  { t.write_blocks(w) } -> std::same_as<void>;
 };
 
 }  // namespace oasiskv

@@ -42,7 +42,7 @@ constexpr std::string_view to_string(errc e) noexcept {
     case errc::out_of_range:
       return "out_of_range";
     case errc::invalid_slot:
-      return "null_slot";
+      return "invalid_slot";
     case errc::double_free:
       return "double_free";
     case errc::slot_in_flight:

@@ -2,6 +2,7 @@
 //! @brief `cpu_copy_engine`: block copies between host-reachable tiers on a worker thread.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <span>
 #include <string>
 #include <thread>
@@ -24,7 +26,7 @@
 namespace oasiskv {
 
 //! @brief A tier the CPU can copy blocks in and out of: plain host memory, or a tier with block
-//! I/O calls (a file, a remote node).
+//! I/O calls (a file, a remote node). A `batched_block_io_tier` gets one call per batch.
 template <class T>
 concept cpu_copyable_tier = host_accessible_tier<T> || block_io_tier<T>;
 
@@ -161,18 +163,85 @@ class cpu_copy_engine {
   static void copy_batch(batch& b) {
     const auto& src = *static_cast<const Src*>(b.src_tier);
     auto& dst = *static_cast<Dst*>(const_cast<void*>(b.dst_tier));
-    std::vector<std::byte> bounce;
-    for (const block_copy& c : b.copies) {
-      if constexpr (host_accessible_tier<Src> && host_accessible_tier<Dst>) {
+    if constexpr (host_accessible_tier<Src> && host_accessible_tier<Dst>) {
+      for (const block_copy& c : b.copies) {
         std::memcpy(dst.slot_data(c.dst), src.slot_data(c.src), b.block_bytes);
-      } else if constexpr (host_accessible_tier<Dst>) {
-        src.read_block(c.src, dst.slot_data(c.dst));
-      } else if constexpr (host_accessible_tier<Src>) {
-        dst.write_block(c.dst, src.slot_data(c.src));
+      }
+    } else if constexpr (host_accessible_tier<Dst>) {
+      // One batched call keeps every block of the batch in flight on the device at once.
+      if constexpr (batched_block_io_tier<Src>) {
+        std::vector<block_read> reads;
+        reads.reserve(b.copies.size());
+        for (const block_copy& c : b.copies) {
+          reads.push_back({c.src, dst.slot_data(c.dst)});
+        }
+        src.read_blocks(reads);
       } else {
-        bounce.resize(b.block_bytes);
-        src.read_block(c.src, bounce.data());
-        dst.write_block(c.dst, bounce.data());
+        for (const block_copy& c : b.copies) {
+          src.read_block(c.src, dst.slot_data(c.dst));
+        }
+      }
+    } else if constexpr (host_accessible_tier<Src>) {
+      if constexpr (batched_block_io_tier<Dst>) {
+        std::vector<block_write> writes;
+        writes.reserve(b.copies.size());
+        for (const block_copy& c : b.copies) {
+          writes.push_back({c.dst, src.slot_data(c.src)});
+        }
+        dst.write_blocks(writes);
+      } else {
+        for (const block_copy& c : b.copies) {
+          dst.write_block(c.dst, src.slot_data(c.src));
+        }
+      }
+    } else {
+      copy_through_bounce(src, dst, b);
+    }
+  }
+
+  // Between two block-I/O tiers, through host memory: a chunk of blocks is read, then written,
+  // each with one batched call where the tier has one. Chunks cap the bounce memory; its blocks
+  // are 4096-aligned and 4096 apart so an O_DIRECT tier can use them without bouncing again.
+  template <class Src, class Dst>
+  static void copy_through_bounce(const Src& src, Dst& dst, const batch& b) {
+    if (b.copies.empty()) {
+      return;
+    }
+    constexpr std::size_t align = 4096;
+    constexpr std::size_t max_bounce_bytes = std::size_t{64} << 20;
+    const std::size_t stride = (b.block_bytes + align - 1) / align * align;
+    const std::size_t chunk = std::max<std::size_t>(1, max_bounce_bytes / stride);
+    const std::size_t blocks = std::min(chunk, b.copies.size());
+    struct aligned_delete {
+      void operator()(std::byte* p) const noexcept {
+        ::operator delete[](p, std::align_val_t{align});
+      }
+    };
+    std::unique_ptr<std::byte[], aligned_delete> bounce(
+        static_cast<std::byte*>(::operator new[](blocks* stride, std::align_val_t{align})));
+    std::vector<block_read> reads;
+    std::vector<block_write> writes;
+    for (std::size_t first = 0; first < b.copies.size(); first += chunk) {
+      const std::size_t n = std::min(chunk, b.copies.size() - first);
+      reads.clear();
+      writes.clear();
+      for (std::size_t i = 0; i < n; ++i) {
+        reads.push_back({b.copies[first + i].src, bounce.get() + i * stride});
+        writes.push_back({b.copies[first + i].dst, bounce.get() + i * stride});
+      }
+      if constexpr (batched_block_io_tier<Src>) {
+        src.read_blocks(reads);
+      } else {
+        for (const block_read& r : reads) {
+          src.read_block(r.slot, r.out);
+        }
+      }
+      if constexpr (batched_block_io_tier<Dst>) {
+        dst.write_blocks(writes);
+      } else {
+        for (const block_write& w : writes) {
+          dst.write_block(w.slot, w.in);
+        }
       }
     }
   }

@@ -1,0 +1,291 @@
+//! @file
+//! @brief `file_tier`: a pool of block slots in a file on local storage (an SSD), read and
+//! written with O_DIRECT through io_uring or a pread thread pool.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/tier/detail/file_io.hpp"
+#include "oasiskv/tier/detail/pread_pool.hpp"
+#include "oasiskv/tier/detail/uring_ring.hpp"
+
+namespace oasiskv {
+
+//! @brief How a `file_tier` moves blocks.
+enum class file_backend : std::uint8_t {
+  automatic,   //!< io_uring where this build has it and the kernel allows it, else pread_pool
+  io_uring,    //!< io_uring (liburing); refused with `errc::unsupported` where unavailable
+  pread_pool,  //!< pread/pwrite on a pool of threads: works everywhere
+};
+
+constexpr std::string_view to_string(file_backend b) noexcept {
+  switch (b) {
+    case file_backend::automatic:
+      return "automatic";
+    case file_backend::io_uring:
+      return "io_uring";
+    case file_backend::pread_pool:
+      return "pread_pool";
+  }
+  return "unknown";
+}
+
+//! @brief Where a `file_tier` keeps its blocks and how it reaches them.
+struct file_tier_options {
+  //! A directory: the tier creates an unlinked temporary file there (O_TMPFILE, or mkstemp and
+  //! unlink), gone when the tier is. Otherwise a file path, created if missing and kept
+  //! afterwards (its blocks survive the tier), locked (flock) while the tier uses it.
+  std::string path;
+  //! Bypass the page cache (O_DIRECT), so the tier costs no host memory and measures the
+  //! device. Where the filesystem refuses (tmpfs before Linux 6.6), the tier uses buffered I/O
+  //! and `direct_io()` says false.
+  bool direct_io = true;
+  file_backend backend = file_backend::automatic;
+  //! Requests one io_uring caller keeps in flight; also the number of bounce buffers per ring.
+  std::uint32_t queue_depth = 64;
+  //! Threads of the pread_pool backend (not started with io_uring).
+  std::uint32_t pool_threads = 4;
+};
+
+// The class's layout and code differ with OASISKV_WITH_LIBURING; a distinct inline namespace per
+// variant makes a program that mixes the two a link error instead of an ODR violation.
+#if defined(OASISKV_WITH_LIBURING)
+#define OASISKV_FILE_TIER_ABI file_tier_uring
+#else
+#define OASISKV_FILE_TIER_ABI file_tier_pread
+#endif
+inline namespace OASISKV_FILE_TIER_ABI {
+
+//! @brief `num_slots` block slots in one file, slot `s` at offset `s * slot_bytes()`, with
+//! `slot_bytes()` = `layout.block_bytes()` rounded up to 4096 so every slot is aligned for
+//! O_DIRECT. Callers' buffers may have any alignment: ones that O_DIRECT cannot use go through
+//! bounce buffers the tier owns and reuses. Models `batched_block_io_tier`; every call is safe
+//! from several threads at once for distinct slots. Move-only.
+class file_tier {
+ public:
+  static constexpr memory_kind memory = memory_kind::file;
+  static constexpr std::size_t slot_alignment = detail::direct_io_alignment;
+  static constexpr std::uint32_t max_queue_depth = 4096;
+  static constexpr std::uint32_t max_pool_threads = 256;
+
+  //! @brief Opens or creates the file and reserves `num_slots * slot_bytes()` bytes. Throws
+  //! `errc::invalid_layout`, `errc::invalid_argument` (bad options or path naming the value),
+  //! `errc::io_error` (the system refused: permissions, no space), `errc::unsupported` (an
+  //! io_uring backend that this build or kernel lacks).
+  file_tier(const kv_layout& layout, std::uint32_t num_slots, file_tier_options options)
+      : layout_(layout), num_slots_(num_slots) {
+    layout_.validate();
+    if (num_slots_ == 0 || num_slots_ == null_slot) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "file_tier num_slots = ", num_slots, " must be in [1, ",
+                    null_slot, ")");
+    }
+    if (options.queue_depth == 0 || options.queue_depth > max_queue_depth) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "file_tier_options.queue_depth = ", options.queue_depth,
+                    " must be in [1, ", max_queue_depth, "]");
+    }
+    if (options.pool_threads == 0 || options.pool_threads > max_pool_threads) [[unlikely]] {
+      detail::raise(errc::invalid_argument,
+                    "file_tier_options.pool_threads = ", options.pool_threads, " must be in [1, ",
+                    max_pool_threads, "]");
+    }
+    if (options.backend != file_backend::automatic && options.backend != file_backend::io_uring &&
+        options.backend != file_backend::pread_pool) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "file_tier_options.backend = ", options.backend,
+                    " is not a file_backend");
+    }
+    slot_bytes_ = detail::round_up(layout_.block_bytes(), slot_alignment);
+    state_ = std::make_unique<state>();
+    state_->options = options;
+    detail::backing_file f = detail::open_backing_file(options.path, options.direct_io,
+                                                       std::uint64_t{num_slots_} * slot_bytes_);
+    state_->file = std::move(f.fd);
+    state_->temporary = f.temporary;
+    state_->geo = {state_->file.get(), layout_.block_bytes(), slot_bytes_, f.direct};
+    choose_backend();
+  }
+
+  file_tier(file_tier&&) noexcept = default;
+  file_tier& operator=(file_tier&&) noexcept = default;
+  file_tier(const file_tier&) = delete;
+  file_tier& operator=(const file_tier&) = delete;
+  ~file_tier() = default;
+
+  const kv_layout& layout() const noexcept { return layout_; }
+  std::uint32_t num_slots() const noexcept { return num_slots_; }
+  //! @brief Bytes from one slot to the next in the file: `block_bytes()` rounded up to 4096.
+  std::size_t slot_bytes() const noexcept { return slot_bytes_; }
+  //! @brief Bytes of the file the slots occupy (num_slots x slot_bytes).
+  std::uint64_t file_bytes() const noexcept { return std::uint64_t{num_slots_} * slot_bytes_; }
+  //! @brief Whether transfers bypass the page cache (false where the filesystem refused).
+  bool direct_io() const noexcept { return state_->geo.direct; }
+  //! @brief The backend in use: `io_uring` or `pread_pool`, never `automatic`.
+  file_backend backend() const noexcept { return state_->backend; }
+  //! @brief Whether the file is an unlinked temporary (the path named a directory).
+  bool temporary() const noexcept { return state_->temporary; }
+  const file_tier_options& options() const noexcept { return state_->options; }
+  //! @brief The file descriptor, e.g. to fsync or to register it elsewhere. Owned by the tier.
+  int native_handle() const noexcept { return state_->geo.fd; }
+
+  //! @brief Whether this build has io_uring and the kernel lets this process create a ring.
+  static bool io_uring_available() noexcept {
+#if defined(OASISKV_WITH_LIBURING)
+    int err = 0;
+    return detail::uring_ring::create(1, err) != nullptr;
+#else
+    return false;
+#endif
+  }
+
+  //! @brief Copies slot `s` into the `layout().block_bytes()` bytes at `out`. Blocks.
+  void read_block(slot_id s, std::byte* out) const {
+    const block_read r{s, out};
+    read_blocks(std::span<const block_read>(&r, 1));
+  }
+  //! @brief Copies the `layout().block_bytes()` bytes at `in` into slot `s`. Blocks.
+  void write_block(slot_id s, const std::byte* in) {
+    const block_write w{s, in};
+    write_blocks(std::span<const block_write>(&w, 1));
+  }
+  //! @brief Performs every read with all of them in flight at once (up to the queue depth per
+  //! call with io_uring, spread over the threads with the pool); returns when all are done.
+  //! Throws `errc::invalid_slot` / `errc::invalid_argument` before any I/O for a bad request,
+  //! `errc::io_error` (naming slot, offset and the system's reason) for a failed one.
+  void read_blocks(std::span<const block_read> reads) const {
+    run(reads, "read_blocks");
+  }
+  //! @brief As `read_blocks`, for writes. A slot should appear once per batch (the order of
+  //! writes within a batch is unspecified).
+  void write_blocks(std::span<const block_write> writes) {
+    run(writes, "write_blocks");
+  }
+
+ private:
+  struct state {
+    // First member: destroyed last, after the threads and rings that use the descriptor.
+    detail::unique_fd file;
+    file_tier_options options;
+    detail::file_geometry geo;
+    file_backend backend = file_backend::pread_pool;
+    bool temporary = false;
+    // Single calls on the pread backend run on the caller's thread with a leased bounce buffer.
+    detail::lease_pool<detail::aligned_buffer> bounce;
+    std::unique_ptr<detail::pread_pool> pool;
+#if defined(OASISKV_WITH_LIBURING)
+    // A ring per concurrent caller, lent out under a mutex held only to take or return one. A
+    // ring has a single owner (its queues are not thread-safe); one ring behind a mutex would
+    // serialize concurrent callers for the whole duration of their I/O, and thread_local rings
+    // would outlive the tier or leak with short-lived threads. With one caller (the usual copy
+    // engine worker) this is exactly one ring.
+    detail::lease_pool<detail::uring_ring> rings;
+#endif
+  };
+
+  void choose_backend() {
+    state& st = *state_;
+    const file_backend wanted = st.options.backend;
+#if defined(OASISKV_WITH_LIBURING)
+    if (wanted != file_backend::pread_pool) {
+      int err = 0;
+      std::unique_ptr<detail::uring_ring> ring = detail::uring_ring::create(queue_depth(), err);
+      if (ring) {
+        st.rings.put_back(std::move(ring));
+        st.backend = file_backend::io_uring;
+        return;
+      }
+      if (wanted == file_backend::io_uring) {
+        detail::raise(errc::unsupported, "file_tier: io_uring_queue_init(", queue_depth(),
+                      ") failed: ", std::strerror(err), " (the kernel or a seccomp filter refuses ",
+                      "io_uring; use file_backend::pread_pool or automatic)");
+      }
+    }
+#else
+    if (wanted == file_backend::io_uring) {
+      detail::raise(errc::unsupported,
+                    "file_tier: file_backend::io_uring needs liburing: link oasiskv::file "
+                    "(which defines OASISKV_WITH_LIBURING)");
+    }
+#endif
+    st.backend = file_backend::pread_pool;
+    st.pool = std::make_unique<detail::pread_pool>(st.geo, st.options.pool_threads);
+  }
+
+  std::uint32_t queue_depth() const noexcept {
+    return state_->options.queue_depth;
+  }
+
+  template <class Req>
+  void run(std::span<const Req> reqs, const char* what) const {
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      if (reqs[i].slot >= num_slots_) [[unlikely]] {
+        detail::raise(errc::invalid_slot, "file_tier::", what, ": request ", i, ": slot ",
+                      reqs[i].slot, " is outside the pool of ", num_slots_, " slots");
+      }
+      if (detail::request_buffer(reqs[i]) == nullptr) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "file_tier::", what, ": request ", i, " (slot ",
+                      reqs[i].slot, ") has a null buffer");
+      }
+    }
+    if (reqs.empty()) {
+      return;
+    }
+    state& st = *state_;
+#if defined(OASISKV_WITH_LIBURING)
+    if (st.backend == file_backend::io_uring) {
+      run_uring(st, reqs);
+      return;
+    }
+#endif
+    if (reqs.size() == 1) {
+      // A lone request gains nothing from a hand-off to a worker: two context switches saved.
+      detail::lease_pool<detail::aligned_buffer>::lease b(
+          &st.bounce, st.bounce.take([] { return std::make_unique<detail::aligned_buffer>(); }));
+      detail::transfer_sync(st.geo, detail::direction_of<Req>, reqs[0].slot,
+                            detail::request_buffer(reqs[0]), *b);
+      return;
+    }
+    st.pool->run(reqs);
+  }
+
+#if defined(OASISKV_WITH_LIBURING)
+  template <class Req>
+  void run_uring(state& st, std::span<const Req> reqs) const {
+    std::unique_ptr<detail::uring_ring> ring = st.rings.take([&] {
+      int err = 0;
+      auto r = detail::uring_ring::create(queue_depth(), err);
+      if (!r) [[unlikely]] {
+        // A first ring was created at construction; a later one can fail only for resources.
+        detail::raise(errc::io_error, "file_tier: cannot create another io_uring ring for a ",
+                      "concurrent caller: ", std::strerror(err));
+      }
+      return r;
+    });
+    detail::lease_pool<detail::uring_ring>::lease lease(&st.rings, std::move(ring));
+    if (!lease->run(st.geo, reqs)) [[unlikely]] {
+      const std::string reason = lease->broken_reason();
+      lease.discard();
+      detail::raise(errc::io_error, "file_tier: ", reason);
+    }
+  }
+#endif
+
+  kv_layout layout_;
+  std::uint32_t num_slots_;
+  std::size_t slot_bytes_ = 0;
+  std::unique_ptr<state> state_;
+};
+
+}  // namespace OASISKV_FILE_TIER_ABI
+
+static_assert(batched_block_io_tier<file_tier>);
+
+}  // namespace oasiskv

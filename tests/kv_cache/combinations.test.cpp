@@ -1,0 +1,185 @@
+// The facade assembled from every combination of the shipped predictors, schedulers and kernels
+// runs one suite: with a budget covering the whole context, attend equals dense attention; with
+// a smaller budget, the oracle predictor with fetch-on-miss equals sparse attention over the
+// oracle's own selection.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "oasiskv/oasiskv.hpp"
+#include "support/kv_fixture.hpp"
+
+using namespace oasiskv;
+
+namespace {
+
+template <class Predictor, class Scheduler, class Kernel>
+struct bundle {
+  using allocator = free_list_allocator;
+  using fast_tier = host_tier;
+  using slow_tier = host_tier;
+  using transfer = cpu_copy_engine;
+  using predictor = Predictor;
+  using scheduler = Scheduler;
+  using kernel = Kernel;
+};
+
+template <class... Ts>
+struct type_list {};
+
+using predictors =
+    type_list<lookahead_predictor<minmax_summary<>>, lookahead_predictor<mean_summary>,
+              lookahead_predictor<minmax_summary<>, softmax_mass_aggregation>,
+              lookahead_predictor<minmax_summary<>, max_aggregation, per_kv_head_selection>,
+              current_query_predictor<minmax_summary<>>, recency_predictor, oracle_predictor<>>;
+using schedulers =
+    type_list<lookahead_prefetcher<lru_eviction>, lookahead_prefetcher<score_eviction>,
+              on_demand_fetcher<>, all_resident>;
+
+const kv_layout layout{2, 4, 2, 16, 4, dtype::f32};
+const float scale = 0.25f;
+
+std::vector<std::byte> random_rows(std::uint32_t n, std::mt19937& rng) {
+  std::vector<std::byte> rows(std::size_t{n} * layout.num_kv_heads * layout.row_bytes());
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  float* p = reinterpret_cast<float*>(rows.data());
+  for (std::size_t i = 0; i < rows.size() / 4; ++i) {
+    p[i] = u(rng);
+  }
+  return rows;
+}
+std::vector<float> random_queries(std::uint32_t n, std::mt19937& rng) {
+  std::vector<float> q(std::size_t{n} * layout.num_q_heads * layout.head_dim);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  for (float& x : q) {
+    x = u(rng);
+  }
+  return q;
+}
+template <class Cache>
+void append_all_layers(Cache& c, sequence_id s, std::uint32_t n, std::mt19937& rng) {
+  for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+    auto k = random_rows(n, rng), v = random_rows(n, rng);
+    c.append(s, l, k.data(), v.data(), n);
+  }
+}
+// Attention over `blocks` (indices) of (s, layer), read in place from the capacity tier.
+template <class Cache>
+void reference_over(Cache& c, sequence_id s, std::uint32_t layer,
+                    const std::vector<std::uint32_t>& blocks, std::uint32_t tables,
+                    const std::vector<std::uint32_t>& table_offsets, const float* q,
+                    std::uint32_t q_len, float* out, float* lse) {
+  const auto slots = c.block_slots(s, layer);
+  std::vector<block_ref> refs;
+  for (std::uint32_t b : blocks) {
+    refs.push_back({slots[b], b});
+  }
+  const std::uint32_t len = c.length(s, layer);
+  decode_params p{q,
+                  c.capacity_tier().view(),
+                  {refs.data(), table_offsets.data(), 1, tables},
+                  &len,
+                  out,
+                  lse,
+                  1,
+                  q_len,
+                  scale};
+  reference_decode{}.decode(p);
+}
+
+template <class Predictor, class Scheduler, class Kernel>
+void full_budget_equals_dense() {
+  using B = bundle<Predictor, Scheduler, Kernel>;
+  std::mt19937 rng(21);
+  tiered_kv_cache<B> cache(host_tier(layout, 128), host_tier(layout, 96),
+                           {.budget_tokens = 256, .scale = scale});
+  const sequence_id s = cache.add_sequence();
+  append_all_layers(cache, s, 29, rng);
+  for (int step = 0; step < 4; ++step) {
+    const std::uint32_t q_len = 1 + static_cast<std::uint32_t>(step % 3);
+    append_all_layers(cache, s, q_len, rng);
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      auto draft = random_queries(2, rng);
+      cache.lookahead(s, l, {draft.data(), nullptr, 2});
+      auto q = random_queries(q_len, rng);
+      std::vector<float> out(q.size()), lse(q_len * layout.num_q_heads);
+      std::vector<float> ref(q.size()), ref_lse(lse.size());
+      const sequence_id one[1] = {s};
+      cache.attend(one, l, q.data(), q_len, out.data(), lse.data());
+      const std::uint32_t n = layout.blocks_for(cache.length(s, l));
+      std::vector<std::uint32_t> all(n);
+      for (std::uint32_t b = 0; b < n; ++b) {
+        all[b] = b;
+      }
+      reference_over(cache, s, l, all, 1, {0, n}, q.data(), q_len, ref.data(), ref_lse.data());
+      REQUIRE(oasiskv::testing::max_rel_error(out, ref) < 1e-5);
+      REQUIRE(oasiskv::testing::max_rel_error(lse, ref_lse) < 1e-5);
+    }
+  }
+  CHECK(cache.audit() > 0);
+}
+
+template <class Scheduler, class Kernel>
+void oracle_equals_sparse_over_its_selection() {
+  using B = bundle<oracle_predictor<>, Scheduler, Kernel>;
+  std::mt19937 rng(34);
+  const cache_options o{.budget_tokens = 24, .sink_blocks = 1, .recent_blocks = 1, .scale = scale};
+  tiered_kv_cache<B> cache(host_tier(layout, 128), host_tier(layout, 64), o);
+  const sequence_id s = cache.add_sequence();
+  append_all_layers(cache, s, 90, rng);  // 23 blocks, 6 selected
+  oracle_predictor<> oracle;
+  for (int step = 0; step < 5; ++step) {
+    append_all_layers(cache, s, 1, rng);
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      auto q = random_queries(1, rng);
+      std::vector<float> out(q.size()), lse(layout.num_q_heads);
+      const sequence_id one[1] = {s};
+      cache.attend(one, l, q.data(), 1, out.data(), lse.data());
+      // The oracle's selection, computed independently over the capacity tier's keys.
+      const auto slots = cache.block_slots(s, l);
+      prediction_input<no_summary> in;
+      in.layout = layout;
+      in.seq_len = cache.length(s, l);
+      in.summary_ids = slots;
+      in.queries = {q.data(), nullptr, 1};
+      in.keys = cache.capacity_tier().view();
+      in.key_slots = slots;
+      selection sel;
+      oracle.select(in, {o.budget_tokens / layout.tokens_per_block, 1, 1}, sel);
+      REQUIRE(sel.blocks.size() == 6);
+      std::vector<float> ref(q.size()), ref_lse(lse.size());
+      reference_over(cache, s, l, sel.blocks, sel.tables, sel.offsets, q.data(), 1, ref.data(),
+                     ref_lse.data());
+      REQUIRE(oasiskv::testing::max_rel_error(out, ref) < 1e-5);
+      REQUIRE(oasiskv::testing::max_rel_error(lse, ref_lse) < 1e-5);
+    }
+  }
+  CHECK(cache.stats().step.misses > 0);  // fetch-on-miss did fetch
+}
+
+template <class Kernel, class... Ps, class... Ss>
+void run_all(type_list<Ps...>, type_list<Ss...>) {
+  auto for_scheduler = [&]<class S>() {
+    (full_budget_equals_dense<Ps, S, Kernel>(), ...);
+  };
+  (for_scheduler.template operator()<Ss>(), ...);
+}
+
+}  // namespace
+
+TEST_CASE("every predictor x scheduler, reference kernel: full budget equals dense") {
+  run_all<reference_decode>(predictors{}, schedulers{});
+}
+
+TEST_CASE("every predictor x scheduler, cpu::sparse_decode: full budget equals dense") {
+  run_all<cpu::sparse_decode>(predictors{}, schedulers{});
+}
+
+TEST_CASE_TEMPLATE("oracle + fetch-on-miss equals sparse attention over the oracle selection", S,
+                   lookahead_prefetcher<lru_eviction>, lookahead_prefetcher<score_eviction>,
+                   on_demand_fetcher<>) {
+  oracle_equals_sparse_over_its_selection<S, reference_decode>();
+  oracle_equals_sparse_over_its_selection<S, cpu::sparse_decode>();
+}

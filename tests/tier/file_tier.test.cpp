@@ -1,0 +1,427 @@
+#include <doctest/doctest.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <new>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "oasiskv/tier/file_tier.hpp"
+#include "oasiskv/tier/host_tier.hpp"
+#include "oasiskv/transfer/cpu_copy_engine.hpp"
+
+using oasiskv::block_read;
+using oasiskv::block_write;
+using oasiskv::dtype;
+using oasiskv::errc;
+using oasiskv::file_backend;
+using oasiskv::file_tier;
+using oasiskv::file_tier_options;
+using oasiskv::kv_layout;
+using oasiskv::slot_id;
+namespace fs = std::filesystem;
+
+static_assert(oasiskv::batched_block_io_tier<file_tier>);
+static_assert(!oasiskv::addressable_tier<file_tier>);
+static_assert(file_tier::memory == oasiskv::memory_kind::file);
+static_assert(oasiskv::transfer_engine<oasiskv::cpu_copy_engine, file_tier, oasiskv::host_tier>);
+static_assert(oasiskv::transfer_engine<oasiskv::cpu_copy_engine, oasiskv::host_tier, file_tier>);
+static_assert(oasiskv::transfer_engine<oasiskv::cpu_copy_engine, file_tier, file_tier>);
+
+namespace {
+// 12 KiB blocks: three whole O_DIRECT units, so aligned buffers need no bounce.
+const kv_layout smollm2{30, 9, 3, 64, 16, dtype::f16};
+// 96-byte blocks: O_DIRECT always bounces, and the slot's padding must not leak out.
+const kv_layout odd{1, 2, 1, 8, 3, dtype::bf16};
+
+// A directory under /tmp for one test, removed with everything in it.
+struct temp_dir {
+  fs::path path;
+  temp_dir() {
+    std::string templ = (fs::temp_directory_path() / "oasiskv-file-tier-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(templ.data()) != nullptr);
+    path = templ;
+  }
+  ~temp_dir() {
+    std::error_code ec;
+    fs::permissions(path, fs::perms::owner_all, ec);
+    fs::remove_all(path, ec);
+  }
+};
+
+// The backends this machine can run: the pread pool always, io_uring where it works.
+std::vector<file_backend> backends() {
+  std::vector<file_backend> b{file_backend::pread_pool};
+  if (file_tier::io_uring_available()) {
+    b.push_back(file_backend::io_uring);
+  } else {
+#if defined(OASISKV_WITH_LIBURING)
+    MESSAGE("io_uring is refused by this kernel or sandbox: its tests are skipped");
+#else
+    MESSAGE("built without liburing (no oasiskv::file): io_uring tests are skipped");
+#endif
+  }
+  return b;
+}
+
+// Buffers with a chosen misalignment from 4096: 0 exercises the direct path, others the bounce.
+struct test_buffers {
+  std::size_t stride;
+  std::size_t skew;
+  std::unique_ptr<std::byte[], void (*)(std::byte*)> mem;
+  test_buffers(std::size_t n, std::size_t bytes, std::size_t misalign)
+      : stride((bytes + 4095) / 4096 * 4096 + 4096),
+        skew(misalign),
+        mem(static_cast<std::byte*>(::operator new[](n* stride, std::align_val_t{4096})),
+            [](std::byte* p) { ::operator delete[](p, std::align_val_t{4096}); }) {}
+  std::byte* operator[](std::size_t i) const { return mem.get() + i * stride + skew; }
+};
+
+void fill_random(std::byte* p, std::size_t n, std::mt19937_64& rng) {
+  for (std::size_t i = 0; i < n; ++i) {
+    p[i] = static_cast<std::byte>(rng());
+  }
+}
+
+template <class F>
+void expect_error(F&& f, errc code, const std::string& needle) {
+  try {
+    f();
+    FAIL("expected oasiskv::error " << oasiskv::to_string(code));
+  } catch (const oasiskv::error& e) {
+    CHECK(e.code() == code);
+    INFO(std::string(e.what()));
+    CHECK(std::string(e.what()).find(needle) != std::string::npos);
+  }
+}
+}  // namespace
+
+TEST_CASE("file_tier: geometry, backend selection and direct I/O on this machine") {
+  temp_dir dir;
+  file_tier t(odd, 10, {.path = dir.path.string()});
+  CHECK(t.layout() == odd);
+  CHECK(t.num_slots() == 10);
+  CHECK(t.slot_bytes() == 4096);
+  CHECK(t.file_bytes() == 40960);
+  CHECK(t.temporary());
+  CHECK(fs::is_empty(dir.path));  // the temporary file has no name
+  struct stat st {};
+  REQUIRE(::fstat(t.native_handle(), &st) == 0);
+  CHECK(static_cast<std::uint64_t>(st.st_size) >= t.file_bytes());
+  CHECK(file_tier(smollm2, 1, {.path = dir.path.string()}).slot_bytes() == 12288);
+  // automatic picks io_uring whenever it works.
+  MESSAGE("direct_io on " << dir.path << ": " << t.direct_io()
+                          << ", automatic backend: " << oasiskv::to_string(t.backend()));
+  CHECK(t.backend() ==
+        (file_tier::io_uring_available() ? file_backend::io_uring : file_backend::pread_pool));
+  // A moved tier keeps working; the moved-from one only needs to be destroyable.
+  file_tier moved(std::move(t));
+  std::vector<std::byte> a(odd.block_bytes(), std::byte{7}), b(odd.block_bytes());
+  moved.write_block(3, a.data());
+  moved.read_block(3, b.data());
+  CHECK(a == b);
+}
+
+TEST_CASE("file_tier: a filesystem that refuses O_DIRECT gets buffered I/O") {
+  // tmpfs refused O_DIRECT (EINVAL) before Linux 6.6; newer kernels accept it, and then there is
+  // no filesystem here to exercise the fallback with.
+  if (!fs::is_directory("/dev/shm")) {
+    MESSAGE("no /dev/shm: the O_DIRECT fallback is not exercised");
+    return;
+  }
+  file_tier t(odd, 4, {.path = "/dev/shm"});
+  const std::string what =
+      t.direct_io() ? "true (the fallback is not exercised)" : "false (buffered fallback)";
+  MESSAGE("direct_io on /dev/shm (tmpfs): " << what);
+  std::vector<std::byte> a(odd.block_bytes(), std::byte{9}), b(odd.block_bytes());
+  t.write_block(1, a.data());
+  t.read_block(1, b.data());
+  CHECK(a == b);
+}
+
+TEST_CASE("file_tier: round trips through every backend, direct and buffered, any alignment") {
+  std::mt19937_64 rng(42);
+  temp_dir dir;
+  for (const file_backend backend : backends()) {
+    for (const bool direct : {true, false}) {
+      for (const kv_layout& layout : {smollm2, odd}) {
+        for (const std::size_t misalign : {std::size_t{0}, std::size_t{64}, std::size_t{3}}) {
+          CAPTURE(oasiskv::to_string(backend));
+          CAPTURE(direct);
+          CAPTURE(layout.block_bytes());
+          CAPTURE(misalign);
+          const std::uint32_t n = 40;
+          file_tier t(layout, n,
+                      {.path = dir.path.string(),
+                       .direct_io = direct,
+                       .backend = backend,
+                       .queue_depth = 8,
+                       .pool_threads = 3});
+          CHECK(t.backend() == backend);
+          CHECK(t.direct_io() == direct);
+          const std::size_t bb = layout.block_bytes();
+          test_buffers src(n, bb, misalign), dst(n, bb, misalign);
+          std::vector<slot_id> perm(n);
+          std::iota(perm.begin(), perm.end(), 0u);
+          std::shuffle(perm.begin(), perm.end(), rng);
+          // Batched writes (more than the queue depth, so the window refills), single reads.
+          std::vector<block_write> writes;
+          for (std::uint32_t i = 0; i < n; ++i) {
+            fill_random(src[i], bb, rng);
+            writes.push_back({perm[i], src[i]});
+          }
+          t.write_blocks(writes);
+          for (std::uint32_t i = 0; i < n; ++i) {
+            std::memset(dst[i], 0xee, bb + 1);
+            t.read_block(perm[i], dst[i]);
+            REQUIRE(std::memcmp(dst[i], src[i], bb) == 0);
+            CHECK(dst[i][bb] == std::byte{0xee});  // exactly block_bytes, not the padded slot
+          }
+          // Single writes, batched reads.
+          std::vector<block_read> reads;
+          for (std::uint32_t i = 0; i < n; ++i) {
+            fill_random(src[i], bb, rng);
+            t.write_block(perm[i], src[i]);
+            reads.push_back({perm[i], dst[i]});
+          }
+          t.read_blocks(reads);
+          for (std::uint32_t i = 0; i < n; ++i) {
+            REQUIRE(std::memcmp(dst[i], src[i], bb) == 0);
+          }
+          t.read_blocks({});  // an empty batch is a no-op
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("file_tier: 100k randomized block reads and writes against an in-memory model") {
+  std::mt19937_64 rng(7);
+  temp_dir dir;
+  for (const file_backend backend : backends()) {
+    CAPTURE(oasiskv::to_string(backend));
+    const std::uint32_t n = 96;
+    file_tier t(odd, n, {.path = dir.path.string(), .backend = backend, .queue_depth = 16});
+    const std::size_t bb = odd.block_bytes();
+    std::vector<std::byte> model(n * bb, std::byte{0});  // unwritten slots read as zeros
+    test_buffers buf(32, bb, 0);
+    test_buffers skewed(32, bb, 64);
+    std::vector<slot_id> perm(n);
+    std::iota(perm.begin(), perm.end(), 0u);
+    std::size_t ops = 0;
+    while (ops < 100000) {
+      const auto k = static_cast<std::uint32_t>(1 + rng() % 32);  // 1: the single-block calls
+      const bool write = rng() % 2 == 0;
+      const test_buffers& b = rng() % 2 == 0 ? buf : skewed;
+      for (std::uint32_t i = 0; i < k; ++i) {  // k distinct slots
+        std::swap(perm[i], perm[i + rng() % (n - i)]);
+      }
+      if (write) {
+        std::vector<block_write> w;
+        for (std::uint32_t i = 0; i < k; ++i) {
+          fill_random(b[i], bb, rng);
+          std::memcpy(model.data() + perm[i] * bb, b[i], bb);
+          w.push_back({perm[i], b[i]});
+        }
+        k == 1 ? t.write_block(w[0].slot, w[0].in) : t.write_blocks(w);
+      } else {
+        std::vector<block_read> r;
+        for (std::uint32_t i = 0; i < k; ++i) {
+          r.push_back({perm[i], b[i]});
+        }
+        k == 1 ? t.read_block(r[0].slot, r[0].out) : t.read_blocks(r);
+        for (std::uint32_t i = 0; i < k; ++i) {
+          REQUIRE(std::memcmp(b[i], model.data() + perm[i] * bb, bb) == 0);
+        }
+      }
+      ops += k;
+    }
+  }
+}
+
+TEST_CASE("file_tier: concurrent readers and writers on distinct slots") {
+  temp_dir dir;
+  for (const file_backend backend : backends()) {
+    CAPTURE(oasiskv::to_string(backend));
+    constexpr std::uint32_t threads = 4, per_thread = 16, rounds = 60;
+    file_tier t(odd, threads * per_thread,
+                {.path = dir.path.string(), .backend = backend, .queue_depth = 8});
+    const std::size_t bb = odd.block_bytes();
+    std::vector<std::thread> pool;
+    std::vector<int> bad(threads, 0);
+    for (std::uint32_t id = 0; id < threads; ++id) {
+      pool.emplace_back([&, id] {
+        std::mt19937_64 rng(id);
+        test_buffers in(per_thread, bb, id % 2 == 0 ? 0 : 64), out(per_thread, bb, 0);
+        std::vector<block_write> w;
+        std::vector<block_read> r;
+        for (std::uint32_t i = 0; i < per_thread; ++i) {
+          w.push_back({id * per_thread + i, in[i]});
+          r.push_back({id * per_thread + i, out[i]});
+        }
+        for (std::uint32_t round = 0; round < rounds; ++round) {
+          for (std::uint32_t i = 0; i < per_thread; ++i) {
+            fill_random(in[i], bb, rng);
+          }
+          if (round % 3 == 0) {
+            for (const block_write& x : w) {
+              t.write_block(x.slot, x.in);
+            }
+          } else {
+            t.write_blocks(w);
+          }
+          t.read_blocks(r);
+          for (std::uint32_t i = 0; i < per_thread; ++i) {
+            bad[id] += std::memcmp(in[i], out[i], bb) != 0;
+          }
+        }
+      });
+    }
+    for (std::thread& th : pool) {
+      th.join();
+    }
+    CHECK(std::accumulate(bad.begin(), bad.end(), 0) == 0);
+  }
+}
+
+TEST_CASE("file_tier: cpu_copy_engine moves blocks between host_tier and file_tier") {
+  std::mt19937_64 rng(3);
+  temp_dir dir;
+  for (const file_backend backend : backends()) {
+    for (const auto align : {oasiskv::host_tier_options::alignment::cache_line,
+                             oasiskv::host_tier_options::alignment::page}) {
+      CAPTURE(oasiskv::to_string(backend));
+      const std::uint32_t n = 48;
+      const std::size_t bb = smollm2.block_bytes();
+      oasiskv::host_tier host(smollm2, n, {.align = align});
+      oasiskv::host_tier back(smollm2, n, {.align = align});
+      file_tier file(smollm2, n, {.path = dir.path.string(), .backend = backend});
+      file_tier file2(smollm2, n, {.path = dir.path.string(), .backend = backend});
+      for (slot_id s = 0; s < n; ++s) {
+        fill_random(host.slot_data(s), bb, rng);
+      }
+      std::vector<oasiskv::block_copy> out, in, across;
+      for (slot_id s = 0; s < n; ++s) {
+        out.push_back({s, (s * 7) % n});  // scattered: host slot s -> file slot 7s mod 48
+        across.push_back({(s * 7) % n, n - 1 - s});
+        in.push_back({n - 1 - s, s});
+      }
+      oasiskv::cpu_copy_engine engine;
+      engine.wait(engine.submit(host, file, out));
+      engine.wait(engine.submit(file, file2, across));
+      engine.wait(engine.submit(file2, back, in));
+      for (slot_id s = 0; s < n; ++s) {
+        REQUIRE(std::memcmp(back.slot_data(s), host.slot_data(s), bb) == 0);
+      }
+      CHECK(engine.stats().bytes == 3 * n * bb);
+      CHECK(engine.stats().failed_batches == 0);
+    }
+  }
+}
+
+TEST_CASE("file_tier: a named file keeps its blocks for the next tier, and is locked meanwhile") {
+  temp_dir dir;
+  const std::string path = (dir.path / "kv.bin").string();
+  std::vector<std::byte> a(smollm2.block_bytes()), b(smollm2.block_bytes());
+  std::mt19937_64 rng(5);
+  fill_random(a.data(), a.size(), rng);
+  {
+    file_tier t(smollm2, 4, {.path = path});
+    CHECK_FALSE(t.temporary());
+    t.write_block(2, a.data());
+    expect_error([&] { file_tier again(smollm2, 4, {.path = path}); }, errc::io_error,
+                 "is locked by another user");
+  }
+  CHECK(fs::file_size(path) == 4 * 12288);
+  file_tier t(smollm2, 4, {.path = path});
+  t.read_block(2, b.data());
+  CHECK(a == b);
+}
+
+TEST_CASE("file_tier: I/O failures name the slot, the offset and the system's reason") {
+  temp_dir dir;
+  for (const file_backend backend : backends()) {
+    CAPTURE(oasiskv::to_string(backend));
+    file_tier t(smollm2, 8, {.path = dir.path.string(), .backend = backend});
+    // Swap the file for a read-only /dev/null behind the tier's back: writes fail with EBADF,
+    // reads find end of file at once.
+    const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    REQUIRE(null_fd >= 0);
+    REQUIRE(::dup2(null_fd, t.native_handle()) == t.native_handle());
+    ::close(null_fd);
+    std::vector<std::byte> buf(smollm2.block_bytes() * 4);
+    expect_error([&] { t.write_block(5, buf.data()); }, errc::io_error,
+                 "write of slot 5 at offset 61440 (12288 bytes) failed: Bad file descriptor");
+    expect_error([&] { t.read_block(3, buf.data()); }, errc::io_error,
+                 "short read of slot 3 at offset 36864: 0 of 12288 bytes");
+    const std::vector<block_write> w{{1, buf.data()}, {2, buf.data() + 12288}};
+    expect_error([&] { t.write_blocks(w); }, errc::io_error, "failed: Bad file descriptor");
+    // The copy engine reports the tier's failure through wait.
+    oasiskv::host_tier host(smollm2, 4);
+    oasiskv::cpu_copy_engine engine;
+    const auto ticket = engine.submit(t, host, std::vector<oasiskv::block_copy>{{0, 0}, {1, 1}});
+    expect_error([&] { engine.wait(ticket); }, errc::transfer_failed, "short read of slot");
+  }
+}
+
+TEST_CASE("file_tier: bad arguments") {
+  temp_dir dir;
+  const std::string d = dir.path.string();
+  file_tier t(odd, 4, {.path = d});
+  std::vector<std::byte> buf(odd.block_bytes());
+  expect_error([&] { t.read_block(4, buf.data()); }, errc::invalid_slot,
+               "request 0: slot 4 is outside the pool of 4 slots");
+  expect_error([&] { t.write_block(oasiskv::null_slot, buf.data()); }, errc::invalid_slot,
+               "slot 4294967295 is outside the pool of 4 slots");
+  const std::vector<block_read> r{{0, buf.data()}, {1, buf.data()}, {9, buf.data()}};
+  expect_error([&] { t.read_blocks(r); }, errc::invalid_slot, "read_blocks: request 2: slot 9");
+  expect_error([&] { t.write_block(1, nullptr); }, errc::invalid_argument,
+               "request 0 (slot 1) has a null buffer");
+
+  expect_error([] { file_tier x(odd, 4, {}); }, errc::invalid_argument,
+               "file_tier_options.path is empty");
+  expect_error([] { file_tier x(odd, 4, {.path = "/nonexistent-oasiskv/dir/kv.bin"}); },
+               errc::invalid_argument,
+               "path = '/nonexistent-oasiskv/dir/kv.bin': directory '/nonexistent-oasiskv/dir' "
+               "does not exist");
+  expect_error([] { file_tier x(odd, 4, {.path = "/dev/null"}); }, errc::invalid_argument,
+               "'/dev/null' is neither a directory nor a regular file");
+  expect_error([&] { file_tier x(odd, 0, {.path = d}); }, errc::invalid_argument, "num_slots = 0");
+  expect_error([&] { file_tier x(odd, 4, {.path = d, .queue_depth = 0}); }, errc::invalid_argument,
+               "queue_depth = 0 must be in [1, 4096]");
+  expect_error([&] { file_tier x(odd, 4, {.path = d, .pool_threads = 0}); }, errc::invalid_argument,
+               "pool_threads = 0 must be in [1, 256]");
+  expect_error([&] { file_tier x(odd, 4, {.path = d, .backend = file_backend{9}}); },
+               errc::invalid_argument, "backend = 9 is not a file_backend");
+  expect_error(
+      [&] {
+        file_tier x(kv_layout{1, 2, 1, 8, 0, dtype::f16}, 4, {.path = d});
+      },
+      errc::invalid_layout, "tokens_per_block = 0");
+  // A directory nobody may write to. Root ignores permission bits, so it gets sysfs instead.
+  const fs::path ro = dir.path / "read-only";
+  fs::create_directory(ro);
+  fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
+  const std::string unwritable = ::geteuid() == 0 ? std::string("/sys") : ro.string();
+  expect_error(
+      [&] { file_tier x(odd, 4, {.path = unwritable}); }, errc::io_error,
+      "cannot create a temporary file in directory '" + unwritable + "': Permission denied");
+  if (!file_tier::io_uring_available()) {
+    expect_error([&] { file_tier x(odd, 4, {.path = d, .backend = file_backend::io_uring}); },
+                 errc::unsupported, "io_uring");
+  }
+  // No space: a reservation far larger than any disk is refused up front.
+  expect_error([&] { file_tier x(smollm2, 4000000000u, {.path = d}); }, errc::io_error,
+               "cannot reserve 49152000000000 bytes");
+}
