@@ -59,6 +59,14 @@ class tiered_kv_cache {
   using scheduler_type = typename Policies::scheduler::template bind<fast_tier_type, slow_tier_type,
                                                                      transfer_type, allocator_type>;
   static constexpr bool has_summary = !std::is_same_v<summary_type, no_summary>;
+  //! True for the dense baseline (`all_resident`): every block is staged as soon as it fills.
+  static constexpr bool stages_everything = [] {
+    if constexpr (requires { scheduler_type::mode; }) {
+      return scheduler_type::mode == prefetch_mode::all_resident;
+    } else {
+      return false;
+    }
+  }();
 
   //! @brief Takes ownership of both tiers (their layouts must agree). The fast tier's slots are
   //! the staging budget shared by every sequence and layer; `options.budget_tokens` is what one
@@ -180,6 +188,11 @@ class tiered_kv_cache {
       const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
       const slot_id slot = writable_block(ls, offset);
       write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
+      if constexpr (stages_everything) {
+        if (offset + count == layout_.tokens_per_block) {
+          scheduler_.prefetch(std::span<const slot_id>(&slot, 1));  // full: stage it now
+        }
+      }
       ls.tokens += count;
       done += count;
     }

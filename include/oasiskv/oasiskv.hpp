@@ -26,6 +26,7 @@
 #include "oasiskv/attention/cpu_sparse_decode.hpp"
 #include "oasiskv/attention/reference_decode.hpp"
 #include "oasiskv/attention/validate.hpp"
+#include "oasiskv/tier/file_tier.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
 

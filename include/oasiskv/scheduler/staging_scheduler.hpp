@@ -54,6 +54,10 @@ requires tier_backend<Fast> && tier_backend<Slow> && transfer_engine<Engine, Slo
     block_allocator<Allocator> && std::constructible_from<Allocator, std::size_t>
 class staging_scheduler {
  public:
+  //! @brief When this scheduler moves blocks; the cache stages every new block up front for
+  //! `all_resident`.
+  static constexpr prefetch_mode mode = Mode;
+
   struct options {
     //! Evictions one `prefetch` may make; the rest of its blocks wait for `acquire`. Caps the
     //! damage of one bad prediction to the blocks the next steps still want.
