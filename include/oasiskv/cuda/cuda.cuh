@@ -1,0 +1,11 @@
+//! @file
+//! @brief Umbrella header of the CUDA models (nvcc only): tiers, copy engine, decode attention
+//! and the GPU block selection.
+#pragma once
+
+#include "oasiskv/cuda/copy_engine.cuh"
+#include "oasiskv/cuda/device_tier.cuh"
+#include "oasiskv/cuda/gather_kernel.cuh"
+#include "oasiskv/cuda/pinned_host_tier.cuh"
+#include "oasiskv/cuda/sparse_decode.cuh"
+#include "oasiskv/cuda/topk_selector.cuh"

@@ -1,0 +1,327 @@
+//! @file
+//! @brief Kernels of `cuda::block_selector`: min/max summary scoring and a CTA-per-table radix
+//! top-k that writes the block table (with staging slots) on the device.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+#include <type_traits>
+
+#include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/ids.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/core/selection.hpp"
+#include "oasiskv/cuda/detail/kv_vec.cuh"
+
+namespace oasiskv::cuda::detail {
+
+inline constexpr std::uint32_t select_status_too_long = 1u;  //!< a sequence exceeds max_blocks
+
+//! @brief Everything one selection step reads and writes; device pointers, passed by value.
+struct select_kernel_args {
+  kv_layout layout{};
+  const f16* bounds = nullptr;            // [num_kv_heads][capacity][2][head_dim]: max, then min
+  const std::uint16_t* tokens = nullptr;  // [capacity] tokens folded into each entry
+  std::uint32_t capacity = 0;
+  const float* queries = nullptr;  // [num_seqs][num_tokens][num_q_heads][head_dim]
+  std::uint32_t num_tokens = 1;
+  const std::uint32_t* seq_lens = nullptr;     // [num_seqs]
+  const std::uint32_t* summary_ids = nullptr;  // [num_seqs][max_blocks]
+  const slot_id* staged = nullptr;             // [num_seqs][max_blocks] fast slot or null_slot
+  block_ref* refs = nullptr;                   // [num_seqs * tables_per_seq * budget]
+  std::uint32_t* offsets = nullptr;            // [num_seqs * tables_per_seq + 1]
+  std::uint32_t* misses = nullptr;             // [num_seqs * tables_per_seq][budget] block indices
+  std::uint32_t* miss_counts = nullptr;        // [num_seqs * tables_per_seq]
+  float* scores = nullptr;                     // workspace [num_seqs][num_kv_heads][max_blocks]
+  std::uint32_t* keys = nullptr;               // workspace [num_seqs * tables_per_seq][max_blocks]
+  std::uint32_t* status = nullptr;
+  std::uint32_t num_seqs = 0;
+  std::uint32_t max_blocks = 0;
+  std::uint32_t tables_per_seq = 1;
+  selection_params sp{};
+};
+static_assert(std::is_trivially_copyable_v<select_kernel_args>);
+
+inline constexpr int score_threads = 128;
+inline constexpr int score_entries_per_cta = 64;
+inline constexpr int score_row_chunk = 16;
+
+OASISKV_DEVICE std::uint32_t seq_blocks(const select_kernel_args& a, std::uint32_t seq) {
+  const std::uint32_t n = a.layout.blocks_for(a.seq_lens[seq]);
+  return n < a.max_blocks ? n : a.max_blocks;
+}
+
+//! Scores entries [blockIdx.x * 64, +64) of one (sequence, KV head): for every query row of the
+//! head's GQA group and every lookahead token, q+ . max + q- . min (the split query staged in
+//! shared memory as minmax_summary::score does on the CPU), maxed over the rows.
+template <int D>
+__global__ void __launch_bounds__(score_threads) score_minmax_kernel(const select_kernel_args a) {
+  constexpr int lanes = 2 * D / 8;  // lanes per entry: 8 f16 bounds (16 bytes) each
+  constexpr int per_warp = 32 / lanes;
+  static_assert(lanes <= 32 && 32 % lanes == 0);
+  __shared__ float sq[score_row_chunk][2 * D];
+  __shared__ float best[score_entries_per_cta];
+
+  const std::uint32_t seq = blockIdx.z;
+  const std::uint32_t h = blockIdx.y;
+  const std::uint32_t i0 = blockIdx.x * score_entries_per_cta;
+  const std::uint32_t n = seq_blocks(a, seq);
+  if (threadIdx.x == 0 && a.layout.blocks_for(a.seq_lens[seq]) > a.max_blocks) {
+    atomicOr(a.status, select_status_too_long);
+  }
+  if (i0 >= n) {
+    return;  // a fixed grid sized for max_blocks: this CTA has nothing of this sequence
+  }
+  const std::uint32_t group = a.layout.group_size();
+  const std::uint32_t rows = a.num_tokens * group;
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int sub = lane / lanes;
+  const int lin = lane % lanes;
+  for (int e = static_cast<int>(threadIdx.x); e < score_entries_per_cta; e += score_threads) {
+    best[e] = -INFINITY;
+  }
+  for (std::uint32_t r0 = 0; r0 < rows; r0 += score_row_chunk) {
+    __syncthreads();  // the previous chunk's rows are no longer read
+    const std::uint32_t nr = rows - r0 < score_row_chunk ? rows - r0 : score_row_chunk;
+    for (std::uint32_t x = threadIdx.x; x < nr * D; x += score_threads) {
+      const std::uint32_t r = x / D, d = x % D;
+      const std::uint32_t row = r0 + r;  // row = token * group + member
+      const float v =
+          a.queries[((std::size_t{seq} * a.num_tokens + row / group) * a.layout.num_q_heads +
+                     h * group + row % group) *
+                        D +
+                    d];
+      sq[r][d] = v > 0.0f ? v : 0.0f;
+      sq[r][D + d] = v < 0.0f ? v : 0.0f;
+    }
+    __syncthreads();
+    for (int e = warp * per_warp + sub; e < score_entries_per_cta;
+         e += (score_threads / 32) * per_warp) {
+      const std::uint32_t i = i0 + static_cast<std::uint32_t>(e);
+      const bool live = i < n;
+      float b[8];
+      if (live) {
+        const std::uint32_t id = a.summary_ids[std::size_t{seq} * a.max_blocks + i];
+        const f16* entry = a.bounds + (std::size_t{h} * a.capacity + id) * (2 * D) + lin * 8;
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(entry));
+        kv_vec<f16>::widen(raw, b);
+      } else {
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {
+          b[x] = 0.0f;
+        }
+      }
+      float m = -INFINITY;
+      for (std::uint32_t r = 0; r < nr; ++r) {
+        const float* qr = sq[r] + lin * 8;
+        float d = 0.0f;
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {
+          d = fmaf(qr[x], b[x], d);
+        }
+#pragma unroll
+        for (int off = lanes / 2; off > 0; off >>= 1) {
+          d += __shfl_xor_sync(0xffffffffu, d, off);
+        }
+        d = d != d ? INFINITY : d;  // 0 * inf of an overflowed bound: keep the block (as the CPU)
+        m = fmaxf(m, d);
+      }
+      if (live && lin == 0) {
+        best[e] = fmaxf(best[e], m);
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = static_cast<int>(threadIdx.x); e < score_entries_per_cta; e += score_threads) {
+    const std::uint32_t i = i0 + static_cast<std::uint32_t>(e);
+    if (i < n) {
+      const std::uint32_t id = a.summary_ids[std::size_t{seq} * a.max_blocks + i];
+      const float s = a.tokens[id] == 0 ? -INFINITY : best[e];
+      a.scores[(std::size_t{seq} * a.layout.num_kv_heads + h) * a.max_blocks + i] = s;
+    }
+  }
+}
+
+//! Orders floats as unsigned integers (NaN as +inf: the CPU selector's rule).
+OASISKV_DEVICE std::uint32_t order_key(float f) {
+  if (f != f) {
+    f = INFINITY;
+  }
+  const std::uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+inline constexpr int topk_threads = 256;
+
+//! One CTA per table: the sinks, the recent window and the top `budget - sinks - recent`
+//! candidates by score (ties to the lower index), found by an 8-bit radix select over
+//! shared-memory histograms, then compacted in index order with block scans and translated to
+//! staging slots. The table's offset follows from the lengths alone (every table holds
+//! min(blocks, budget) entries), so tables are packed with no grid-wide step.
+__global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_kernel_args a) {
+  using scan = cub::BlockScan<std::uint32_t, topk_threads>;
+  __shared__ typename scan::TempStorage scan_storage;
+  __shared__ std::uint32_t hist[256];
+  __shared__ std::uint32_t pick_bucket, pick_above;
+
+  const std::uint32_t t = blockIdx.x;
+  const std::uint32_t seq = t / a.tables_per_seq;
+  const std::uint32_t head = t % a.tables_per_seq;
+  const std::uint32_t budget = a.sp.budget_blocks;
+  const std::uint32_t n = seq_blocks(a, seq);
+  const std::uint32_t count = n < budget ? n : budget;
+  std::uint32_t offset = 0;
+  for (std::uint32_t s = threadIdx.x; s < seq; s += topk_threads) {
+    const std::uint32_t ns = seq_blocks(a, s);
+    offset += (ns < budget ? ns : budget) * a.tables_per_seq;
+  }
+  {
+    std::uint32_t ignored = 0, before_seq = 0;
+    scan(scan_storage).ExclusiveSum(offset, ignored, before_seq);
+    __syncthreads();
+    offset = before_seq + head * count;
+  }
+  if (threadIdx.x == 0) {
+    a.offsets[t] = offset;
+    if (t + 1 == gridDim.x) {
+      a.offsets[t + 1] = offset + count;
+    }
+  }
+
+  const std::uint32_t sinks = a.sp.sink_blocks < n ? a.sp.sink_blocks : n;
+  const std::uint32_t want_recent = a.sp.recent_blocks > 1 ? a.sp.recent_blocks : 1;
+  const std::uint32_t recent = want_recent < n - sinks ? want_recent : n - sinks;
+  const std::uint32_t end = n - recent;  // candidates: [sinks, end)
+  const bool take_all = budget >= n;
+  std::uint32_t* keys = a.keys + std::size_t{t} * a.max_blocks;
+  std::uint32_t threshold = 0, take_equal = 0;
+  if (!take_all) {
+    const std::uint32_t kv = a.layout.num_kv_heads;
+    for (std::uint32_t i = sinks + threadIdx.x; i < end; i += topk_threads) {
+      float s;
+      if (a.tables_per_seq == 1) {
+        s = -INFINITY;
+        for (std::uint32_t h = 0; h < kv; ++h) {
+          const float v = a.scores[(std::size_t{seq} * kv + h) * a.max_blocks + i];
+          s = v > s || v != v ? v : s;  // NaN wins, as +inf
+        }
+      } else {
+        s = a.scores[(std::size_t{seq} * kv + head) * a.max_blocks + i];
+      }
+      keys[i] = order_key(s);
+    }
+    std::uint32_t remaining = budget - sinks - recent;  // >= 0: checked on the host
+    std::uint32_t prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0 && remaining > 0; shift -= 8) {
+      for (std::uint32_t b = threadIdx.x; b < 256; b += topk_threads) {
+        hist[b] = 0;
+      }
+      __syncthreads();  // also publishes the keys written above
+      for (std::uint32_t i = sinks + threadIdx.x; i < end; i += topk_threads) {
+        const std::uint32_t k = keys[i];
+        if ((k & mask) == prefix) {
+          atomicAdd(&hist[(k >> shift) & 255u], 1u);
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        // Lane l sums buckets 255-8l down to 248-8l; an inclusive scan over lanes finds the
+        // bucket where the count from the top reaches `remaining`.
+        const unsigned lane = threadIdx.x;
+        std::uint32_t local = 0;
+        for (int j = 0; j < 8; ++j) {
+          local += hist[255 - 8 * lane - j];
+        }
+        std::uint32_t incl = local;
+        for (int off = 1; off < 32; off <<= 1) {
+          const std::uint32_t o = __shfl_up_sync(0xffffffffu, incl, off);
+          incl += lane >= static_cast<unsigned>(off) ? o : 0u;
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
+        const unsigned first = static_cast<unsigned>(__ffs(static_cast<int>(hit)) - 1);
+        if (lane == first) {
+          std::uint32_t above = incl - local;
+          for (int j = 0; j < 8; ++j) {
+            const std::uint32_t b = 255 - 8 * lane - j;
+            if (above + hist[b] >= remaining) {
+              pick_bucket = b;
+              pick_above = above;
+              break;
+            }
+            above += hist[b];
+          }
+        }
+      }
+      __syncthreads();
+      remaining -= pick_above;
+      prefix |= pick_bucket << shift;
+      mask |= 255u << shift;
+      __syncthreads();  // pick_* are rewritten next pass
+    }
+    threshold = prefix;
+    take_equal = remaining;
+  }
+
+  // Keep-flags in index order: a chunk of consecutive blocks per thread, so two block scans give
+  // each equal-to-threshold candidate its rank and each kept block its position.
+  const std::uint32_t chunk = (n + topk_threads - 1) / topk_threads;
+  const std::uint32_t c0 = threadIdx.x * chunk < n ? threadIdx.x * chunk : n;
+  const std::uint32_t c1 = c0 + chunk < n ? c0 + chunk : n;
+  std::uint32_t equal = 0;
+  if (!take_all) {
+    for (std::uint32_t i = c0; i < c1; ++i) {
+      equal += (i >= sinks && i < end && keys[i] == threshold) ? 1u : 0u;
+    }
+  }
+  std::uint32_t equal_before = 0;
+  scan(scan_storage).ExclusiveSum(equal, equal_before);
+  __syncthreads();
+  auto kept = [&](std::uint32_t i, std::uint32_t& rank) {
+    if (take_all || i < sinks || i >= end) {
+      return true;
+    }
+    const std::uint32_t k = keys[i];
+    if (k == threshold) {
+      return rank++ < take_equal;
+    }
+    return k > threshold;
+  };
+  std::uint32_t keep = 0;
+  {
+    std::uint32_t rank = equal_before;
+    for (std::uint32_t i = c0; i < c1; ++i) {
+      keep += kept(i, rank) ? 1u : 0u;
+    }
+  }
+  std::uint32_t pos = 0;
+  scan(scan_storage).ExclusiveSum(keep, pos);
+  std::uint32_t rank = equal_before;
+  const std::size_t row = std::size_t{seq} * a.max_blocks;
+  for (std::uint32_t i = c0; i < c1; ++i) {
+    if (!kept(i, rank)) {
+      continue;
+    }
+    const slot_id fast = a.staged[row + i];
+    a.refs[offset + pos] = block_ref{fast, i};
+    ++pos;
+    if (fast == null_slot && a.misses != nullptr) {
+      const std::uint32_t m = atomicAdd(&a.miss_counts[t], 1u);
+      a.misses[std::size_t{t} * budget + m] = i;
+    }
+  }
+}
+
+//! Zeroes the miss counters (a kernel, so the whole step stays one capturable sequence).
+__global__ void clear_counts_kernel(std::uint32_t* counts, std::uint32_t n) {
+  for (std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += gridDim.x * blockDim.x) {
+    counts[i] = 0;
+  }
+}
+
+}  // namespace oasiskv::cuda::detail

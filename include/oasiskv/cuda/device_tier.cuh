@@ -1,0 +1,179 @@
+//! @file
+//! @brief `cuda::device_tier`: a pool of block slots in one device allocation (the fast tier).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <utility>
+
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/core/views.hpp"
+#include "oasiskv/cuda/detail/runtime.cuh"
+
+namespace oasiskv::cuda {
+
+//! @brief How a `device_tier` gets its memory.
+struct device_tier_options {
+  //! The device that holds the slots; -1: the current device at construction.
+  int device = -1;
+  //! Allocation hook (an engine's caching allocator, a `cuda::mr` resource wrapped in a lambda):
+  //! returns `bytes` of memory of `device`, at least 256-byte aligned, or throws. Empty:
+  //! cudaMalloc. A hook rather than a `cuda::mr` parameter because CCCL 3.0's resource concepts are
+  //! still experimental (LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) and change between
+  //! releases.
+  std::function<void*(std::size_t bytes)> allocate = {};
+  //! Releases what `allocate` returned. Must not throw. Empty: cudaFree.
+  std::function<void(void* p, std::size_t bytes)> deallocate = {};
+  //! Zero the slots at construction (a kernel that reads an unwritten slot then sees zeros, not
+  //! another run's data).
+  bool zero = false;
+};
+
+//! @brief `num_slots` slots of `layout.block_bytes()` rounded up to 128 bytes (a cache line, so
+//! no two slots share one) in one device allocation, so the whole pool is one
+//! `block_pool_view` of device pointers. Move-only; owns its memory. Models `addressable_tier`
+//! with `memory_kind::device`: `slot_data` returns device pointers, which the host must not
+//! dereference.
+class device_tier {
+ public:
+  static constexpr memory_kind memory = memory_kind::device;
+  static constexpr std::size_t slot_alignment = 128;
+
+  device_tier(const kv_layout& layout, std::uint32_t num_slots, device_tier_options options = {})
+      : layout_(layout), num_slots_(num_slots), options_(std::move(options)) {
+    layout_.validate();
+    if (num_slots_ == 0 || num_slots_ == null_slot) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "cuda::device_tier num_slots = ", num_slots,
+                             " must be in [1, ", null_slot, ")");
+    }
+    if (static_cast<bool>(options_.allocate) != static_cast<bool>(options_.deallocate))
+        [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "cuda::device_tier: allocate and deallocate hooks come in pairs");
+    }
+    device_ = options_.device >= 0 ? options_.device : detail::current_device();
+    slot_bytes_ = (layout_.block_bytes() + slot_alignment - 1) / slot_alignment * slot_alignment;
+    bytes_ = slot_bytes_ * num_slots_;
+    detail::device_guard guard(device_);
+    void* p = nullptr;
+    if (options_.allocate) {
+      p = options_.allocate(bytes_);
+    } else {
+      const cudaError_t e = cudaMalloc(&p, bytes_);
+      if (e != cudaSuccess) [[unlikely]] {
+        (void)cudaGetLastError();
+        oasiskv::detail::raise(detail::code_of(e, errc::out_of_memory),
+                               "cuda::device_tier: cudaMalloc of ", bytes_, " bytes (", num_slots_,
+                               " slots of ", slot_bytes_, ") on device ", device_,
+                               " failed: ", cudaGetErrorString(e));
+      }
+    }
+    base_ = static_cast<std::byte*>(p);
+    if (reinterpret_cast<std::uintptr_t>(base_) % slot_alignment != 0) [[unlikely]] {
+      release();
+      oasiskv::detail::raise(errc::misaligned,
+                             "cuda::device_tier: the allocate hook returned memory that is not ",
+                             slot_alignment, "-byte aligned");
+    }
+    if (options_.zero) {
+      try {
+        OASISKV_CUDA_TRY(cudaMemset(base_, 0, bytes_));
+      } catch (...) {
+        release();
+        throw;
+      }
+    }
+  }
+
+  device_tier(device_tier&& o) noexcept
+      : layout_(o.layout_),
+        num_slots_(o.num_slots_),
+        options_(std::move(o.options_)),
+        device_(o.device_),
+        slot_bytes_(o.slot_bytes_),
+        bytes_(o.bytes_),
+        base_(std::exchange(o.base_, nullptr)) {}
+  device_tier& operator=(device_tier&& o) noexcept {
+    if (this != &o) {
+      release();
+      layout_ = o.layout_;
+      num_slots_ = o.num_slots_;
+      options_ = std::move(o.options_);
+      device_ = o.device_;
+      slot_bytes_ = o.slot_bytes_;
+      bytes_ = o.bytes_;
+      base_ = std::exchange(o.base_, nullptr);
+    }
+    return *this;
+  }
+  device_tier(const device_tier&) = delete;
+  device_tier& operator=(const device_tier&) = delete;
+  ~device_tier() { release(); }
+
+  const kv_layout& layout() const noexcept { return layout_; }
+  std::uint32_t num_slots() const noexcept { return num_slots_; }
+  std::size_t slot_bytes() const noexcept { return slot_bytes_; }
+  //! @brief Bytes of slot memory (num_slots x slot_bytes).
+  std::size_t bytes() const noexcept { return bytes_; }
+  //! @brief The device that holds the slots.
+  int device() const noexcept { return device_; }
+
+  //! @brief Device pointer to slot `s`.
+  std::byte* slot_data(slot_id s) {
+    check_slot(s);
+    return base_ + std::size_t{s} * slot_bytes_;
+  }
+  const std::byte* slot_data(slot_id s) const {
+    check_slot(s);
+    return base_ + std::size_t{s} * slot_bytes_;
+  }
+  //! @brief The pool as kernels read it (device pointers).
+  block_pool_view view() const noexcept { return {base_, slot_bytes_, num_slots_, layout_}; }
+
+ private:
+  void check_slot(slot_id s) const {
+    if (s >= num_slots_) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_slot, "cuda::device_tier: slot ", s,
+                             " is outside the pool of ", num_slots_, " slots");
+    }
+  }
+
+  void release() noexcept {
+    if (base_ == nullptr) {
+      return;
+    }
+    int previous = -1;
+    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
+                          cudaSetDevice(device_) == cudaSuccess;
+    if (options_.deallocate) {
+      try {
+        options_.deallocate(base_, bytes_);
+      } catch (...) {
+        // Releasing must not throw; a hook that does loses the memory, not the program.
+      }
+    } else {
+      (void)cudaFree(base_);
+    }
+    if (switched) {
+      (void)cudaSetDevice(previous);
+    }
+    base_ = nullptr;
+  }
+
+  kv_layout layout_;
+  std::uint32_t num_slots_;
+  device_tier_options options_;
+  int device_ = 0;
+  std::size_t slot_bytes_ = 0;
+  std::size_t bytes_ = 0;
+  std::byte* base_ = nullptr;  // [num_slots][slot_bytes], device memory
+};
+
+static_assert(addressable_tier<device_tier>);
+static_assert(!host_accessible_tier<device_tier>);
+
+}  // namespace oasiskv::cuda

@@ -1,0 +1,335 @@
+//! @file
+//! @brief `cuda::topk_selector`: the lookahead prediction on the GPU. Scores every block's
+//! min/max summary against the lookahead queries and writes each table's top blocks, translated
+//! to staging slots, straight into a device block table, with no host round trip.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/core/selection.hpp"
+#include "oasiskv/cuda/detail/runtime.cuh"
+#include "oasiskv/cuda/detail/select_kernels.cuh"
+// score_kernels.hpp (via minmax_summary.hpp) uses `#pragma GCC unroll`, which g++ knows and
+// nvcc's front end reports (1675) as unrecognised; silence it for that header only.
+#pragma nv_diag_suppress 1675
+#include "oasiskv/summary/minmax_summary.hpp"
+#pragma nv_diag_default 1675
+
+namespace oasiskv::cuda {
+
+//! @brief Min/max summaries in device memory, laid out as `minmax_summary<f16>` lays out its
+//! own: bounds `[num_kv_heads][capacity][2 (max, min)][head_dim]` f16 and a token count per
+//! entry. Move-only; owns its memory.
+class device_minmax_summary {
+ public:
+  device_minmax_summary(const kv_layout& layout, std::uint32_t capacity)
+      : layout_(layout), capacity_(capacity) {
+    layout_.validate();
+    if (capacity_ == 0) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "cuda::device_minmax_summary capacity is 0");
+    }
+    void* b = nullptr;
+    void* t = nullptr;
+    detail::check(cudaMalloc(&b, bounds_elems() * sizeof(f16)),
+                  "cuda::device_minmax_summary: cudaMalloc", errc::out_of_memory);
+    bounds_ = static_cast<f16*>(b);
+    if (const cudaError_t e = cudaMalloc(&t, std::size_t{capacity_} * sizeof(std::uint16_t));
+        e != cudaSuccess) {
+      (void)cudaFree(bounds_);
+      detail::check(e, "cuda::device_minmax_summary: cudaMalloc", errc::out_of_memory);
+    }
+    tokens_ = static_cast<std::uint16_t*>(t);
+    (void)cudaMemset(tokens_, 0, std::size_t{capacity_} * sizeof(std::uint16_t));
+  }
+  device_minmax_summary(device_minmax_summary&& o) noexcept
+      : layout_(o.layout_),
+        capacity_(o.capacity_),
+        bounds_(std::exchange(o.bounds_, nullptr)),
+        tokens_(std::exchange(o.tokens_, nullptr)) {}
+  device_minmax_summary& operator=(device_minmax_summary&&) = delete;
+  device_minmax_summary(const device_minmax_summary&) = delete;
+  device_minmax_summary& operator=(const device_minmax_summary&) = delete;
+  ~device_minmax_summary() {
+    (void)cudaFree(bounds_);
+    (void)cudaFree(tokens_);
+  }
+
+  const kv_layout& layout() const noexcept { return layout_; }
+  std::uint32_t capacity() const noexcept { return capacity_; }
+  const f16* bounds() const noexcept { return bounds_; }
+  const std::uint16_t* tokens() const noexcept { return tokens_; }
+
+  //! @brief Copies entries `entries` of a host summary of the same layout and capacity (after
+  //! appends; synchronous). The scoring math is the host's, so the GPU scores what it scores.
+  void upload(const minmax_summary<f16>& host, std::span<const std::uint32_t> entries) {
+    if (!(host.layout() == layout_) || host.capacity() != capacity_) [[unlikely]] {
+      oasiskv::detail::raise(errc::layout_mismatch,
+                             "cuda::device_minmax_summary::upload: the host summary's layout or "
+                             "capacity differs");
+    }
+    const std::size_t stride = 2 * std::size_t{layout_.head_dim};
+    for (const std::uint32_t b : entries) {
+      for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+        const auto src = host.bounds(h, b);
+        detail::check(cudaMemcpy(bounds_ + (std::size_t{h} * capacity_ + b) * stride, src.data(),
+                                 stride * sizeof(f16), cudaMemcpyHostToDevice),
+                      "cuda::device_minmax_summary::upload");
+      }
+      const auto n = static_cast<std::uint16_t>(host.tokens(b));
+      detail::check(cudaMemcpy(tokens_ + b, &n, sizeof(n), cudaMemcpyHostToDevice),
+                    "cuda::device_minmax_summary::upload");
+    }
+  }
+
+ private:
+  std::size_t bounds_elems() const noexcept {
+    return std::size_t{layout_.num_kv_heads} * capacity_ * 2 * layout_.head_dim;
+  }
+
+  kv_layout layout_;
+  std::uint32_t capacity_;
+  f16* bounds_ = nullptr;            // [num_kv_heads][capacity][2][head_dim], device
+  std::uint16_t* tokens_ = nullptr;  // [capacity], device
+};
+
+//! @brief One step's selection for a batch of sequences. Every pointer is device memory.
+struct topk_request {
+  const float* queries = nullptr;              // [num_seqs][num_tokens][num_q_heads][head_dim]
+  std::uint32_t num_tokens = 1;                // lookahead tokens per sequence, 1..16
+  const std::uint32_t* seq_lens = nullptr;     // [num_seqs]
+  const std::uint32_t* summary_ids = nullptr;  // [num_seqs][max_blocks]: block i's entry
+  const slot_id* staged_slots =
+      nullptr;                       // [num_seqs][max_blocks]: block i's fast slot or null_slot
+  block_ref* refs = nullptr;         // out: [num_seqs * tables_per_seq * budget_blocks]
+  std::uint32_t* offsets = nullptr;  // out: [num_seqs * tables_per_seq + 1]
+  std::uint32_t* misses = nullptr;   // out, optional: [num_seqs * tables_per_seq][budget_blocks]
+                                     // selected blocks with no staged slot (unordered)
+  std::uint32_t* miss_counts = nullptr;  // out, with misses: [num_seqs * tables_per_seq]
+  std::uint32_t num_seqs = 0;
+  std::uint32_t max_blocks = 0;  // the grid's bound on blocks per sequence
+  selection_params params{};
+};
+
+//! @brief GPU counterpart of `lookahead_predictor<minmax_summary<f16>, max_aggregation, G>`
+//! plus the translation to staging slots: the same bound (q+ . max + q- . min), the same max
+//! over lookahead tokens, GQA members (and KV heads for a shared selection), the same kept
+//! sinks and recent window, ties to the lower index. Writes a `block_table_view`-shaped table
+//! (`refs`, `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads.
+//!
+//! Both kernels run on fixed grids sized from `num_seqs` and `max_blocks`; lengths are read on
+//! the device, so a step (select, gather the misses, decode) can be captured in a CUDA graph once
+//! `reserve` has allocated the workspace.
+class topk_selector {
+ public:
+  struct options {
+    cudaStream_t stream = nullptr;
+    bool per_kv_head = false;    //!< one table per KV head (`per_kv_head_selection`)
+    bool check_pointers = true;  //!< cudaPointerGetAttributes on every pointer of the request
+  };
+
+  topk_selector() : topk_selector(options{}) {}
+  explicit topk_selector(options o) : options_(o), state_(std::make_shared<state>()) {}
+
+  const options& config() const noexcept { return options_; }
+  std::uint32_t tables_per_seq(const kv_layout& l) const noexcept {
+    return options_.per_kv_head ? l.num_kv_heads : 1;
+  }
+
+  //! @brief Allocates the workspace for requests up to this size (before a graph capture).
+  void reserve(const kv_layout& l, std::uint32_t num_seqs, std::uint32_t max_blocks) const {
+    std::lock_guard lock(state_->mutex);
+    ensure(l, num_seqs, max_blocks, false);
+  }
+
+  //! @brief Enqueues the scoring and the top-k on the stream. Throws before any launch when the
+  //! request is malformed. Asynchronous: `check_status` reports sequences longer than max_blocks.
+  void select(const device_minmax_summary& s, const topk_request& r) const {
+    const kv_layout& l = s.layout();
+    validate(l, r);
+    std::lock_guard lock(state_->mutex);
+    const int device = detail::current_device();
+    if (options_.check_pointers) {
+      detail::require_device_pointer(r.queries, device, "topk_request.queries");
+      detail::require_device_pointer(r.seq_lens, device, "topk_request.seq_lens");
+      detail::require_device_pointer(r.summary_ids, device, "topk_request.summary_ids");
+      detail::require_device_pointer(r.staged_slots, device, "topk_request.staged_slots");
+      detail::require_device_pointer(r.refs, device, "topk_request.refs");
+      detail::require_device_pointer(r.offsets, device, "topk_request.offsets");
+      if (r.misses != nullptr) {
+        detail::require_device_pointer(r.misses, device, "topk_request.misses");
+        detail::require_device_pointer(r.miss_counts, device, "topk_request.miss_counts");
+      }
+    }
+    ensure(l, r.num_seqs, r.max_blocks, detail::is_capturing(options_.stream));
+    detail::select_kernel_args a;
+    a.layout = l;
+    a.bounds = s.bounds();
+    a.tokens = s.tokens();
+    a.capacity = s.capacity();
+    a.queries = r.queries;
+    a.num_tokens = r.num_tokens;
+    a.seq_lens = r.seq_lens;
+    a.summary_ids = r.summary_ids;
+    a.staged = r.staged_slots;
+    a.refs = r.refs;
+    a.offsets = r.offsets;
+    a.misses = r.misses;
+    a.miss_counts = r.miss_counts;
+    a.scores = state_->scores;
+    a.keys = state_->keys;
+    a.status = state_->status;
+    a.num_seqs = r.num_seqs;
+    a.max_blocks = r.max_blocks;
+    a.tables_per_seq = tables_per_seq(l);
+    a.sp = r.params;
+    cudaStream_t st = options_.stream;
+    const std::uint32_t tables = r.num_seqs * a.tables_per_seq;
+    if (r.misses != nullptr) {
+      detail::clear_counts_kernel<<<(tables + 255) / 256, 256, 0, st>>>(r.miss_counts, tables);
+      detail::check(cudaGetLastError(), "cuda::topk_selector: launch", errc::invalid_argument);
+    }
+    const dim3 grid(
+        (r.max_blocks + detail::score_entries_per_cta - 1) / detail::score_entries_per_cta,
+        l.num_kv_heads, r.num_seqs);
+    if (l.head_dim == 64) {
+      detail::score_minmax_kernel<64><<<grid, detail::score_threads, 0, st>>>(a);
+    } else {
+      detail::score_minmax_kernel<128><<<grid, detail::score_threads, 0, st>>>(a);
+    }
+    detail::check(cudaGetLastError(), "cuda::topk_selector: score launch", errc::invalid_argument);
+    detail::topk_select_kernel<<<tables, detail::topk_threads, 0, st>>>(a);
+    detail::check(cudaGetLastError(), "cuda::topk_selector: top-k launch", errc::invalid_argument);
+  }
+
+  //! @brief Synchronises the stream; throws `errc::out_of_range` if a sequence had more blocks
+  //! than `max_blocks` since the last check (its tail was left out), and clears the flag.
+  void check_status() const {
+    std::lock_guard lock(state_->mutex);
+    if (state_->status == nullptr) {
+      return;
+    }
+    std::uint32_t bad = 0;
+    detail::check(cudaStreamSynchronize(options_.stream), "cuda::topk_selector: the kernels");
+    detail::check(cudaMemcpy(&bad, state_->status, sizeof(bad), cudaMemcpyDeviceToHost),
+                  "cuda::topk_selector: reading the status word");
+    if (bad != 0) [[unlikely]] {
+      detail::check(cudaMemset(state_->status, 0, sizeof(bad)), "cuda::topk_selector: cudaMemset");
+      oasiskv::detail::raise(errc::out_of_range,
+                             "cuda::topk_selector: a sequence has more blocks than max_blocks");
+    }
+  }
+
+ private:
+  struct state {
+    std::mutex mutex;
+    int device = -1;
+    float* scores = nullptr;        // [num_seqs][num_kv_heads][max_blocks]
+    std::uint32_t* keys = nullptr;  // [num_seqs * tables_per_seq][max_blocks]
+    std::size_t score_elems = 0, key_elems = 0;
+    std::uint32_t* status = nullptr;
+    state() = default;
+    state(const state&) = delete;
+    state& operator=(const state&) = delete;
+    ~state() {
+      if (device < 0) {
+        return;
+      }
+      int previous = -1;
+      const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device &&
+                            cudaSetDevice(device) == cudaSuccess;
+      (void)cudaFree(scores);
+      (void)cudaFree(keys);
+      (void)cudaFree(status);
+      if (switched) {
+        (void)cudaSetDevice(previous);
+      }
+    }
+  };
+
+  void validate(const kv_layout& l, const topk_request& r) const {
+    if (l.head_dim != 64 && l.head_dim != 128) [[unlikely]] {
+      oasiskv::detail::raise(errc::unsupported, "cuda::topk_selector: head_dim = ", l.head_dim,
+                             " (supported: 64, 128)");
+    }
+    if (r.num_tokens == 0 || r.num_tokens > max_query_tokens) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "topk_request.num_tokens = ", r.num_tokens,
+                             " must be in [1, 16]");
+    }
+    if (r.num_seqs == 0 || r.num_seqs > 65535 || r.max_blocks == 0) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "topk_request.num_seqs = ", r.num_seqs,
+                             " must be in [1, 65535] and max_blocks = ", r.max_blocks, " >= 1");
+    }
+    const std::uint64_t kept =
+        std::uint64_t{r.params.sink_blocks} + std::max(r.params.recent_blocks, 1u);
+    if (r.params.budget_blocks < kept) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "selection_params.budget_blocks = ", r.params.budget_blocks,
+                             " is below sink_blocks + max(recent_blocks, 1) = ", kept);
+    }
+    if (r.queries == nullptr || r.seq_lens == nullptr || r.summary_ids == nullptr ||
+        r.staged_slots == nullptr || r.refs == nullptr || r.offsets == nullptr ||
+        (r.misses == nullptr) != (r.miss_counts == nullptr)) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "topk_request: a required pointer is null (misses and miss_counts "
+                             "come together)");
+    }
+  }
+
+  void ensure(const kv_layout& l, std::uint32_t num_seqs, std::uint32_t max_blocks,
+              bool capturing) const {
+    state& st = *state_;
+    const int device = detail::current_device();
+    if (st.device >= 0 && st.device != device) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "cuda::topk_selector: its workspace lives on device ", st.device);
+    }
+    const std::size_t scores = std::size_t{num_seqs} * l.num_kv_heads * max_blocks;
+    const std::size_t keys = std::size_t{num_seqs} * tables_per_seq(l) * max_blocks;
+    if (st.status != nullptr && st.score_elems >= scores && st.key_elems >= keys) {
+      return;
+    }
+    if (capturing) [[unlikely]] {
+      oasiskv::detail::raise(errc::unsupported,
+                             "cuda::topk_selector: the workspace must grow during a graph "
+                             "capture; call reserve() first");
+    }
+    st.device = device;
+    auto grow = [](auto*& p, std::size_t& have, std::size_t need) {
+      if (have >= need) {
+        return;
+      }
+      (void)cudaFree(p);
+      p = nullptr;
+      have = 0;
+      void* m = nullptr;
+      detail::check(cudaMalloc(&m, need * sizeof(*p)), "cuda::topk_selector: workspace",
+                    errc::out_of_memory);
+      p = static_cast<std::remove_reference_t<decltype(p)>>(m);
+      have = need;
+    };
+    grow(st.scores, st.score_elems, scores);
+    grow(st.keys, st.key_elems, keys);
+    if (st.status == nullptr) {
+      void* m = nullptr;
+      detail::check(cudaMalloc(&m, sizeof(std::uint32_t)), "cuda::topk_selector: status",
+                    errc::out_of_memory);
+      st.status = static_cast<std::uint32_t*>(m);
+      detail::check(cudaMemset(st.status, 0, sizeof(std::uint32_t)),
+                    "cuda::topk_selector: cudaMemset");
+    }
+  }
+
+  options options_;
+  std::shared_ptr<state> state_;
+};
+
+}  // namespace oasiskv::cuda
