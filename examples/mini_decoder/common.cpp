@@ -1,0 +1,42 @@
+#include "common.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace mini_decoder {
+
+mapped_file::mapped_file(const std::string& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    fail("cannot open model file '", path, "': ", std::strerror(errno), fetch_hint);
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail("model path '", path, "' is not a regular file", fetch_hint);
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ == 0) {
+    ::close(fd);
+    fail("model file '", path, "' is empty", fetch_hint);
+  }
+  void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);  // the mapping keeps the file alive
+  if (p == MAP_FAILED) {
+    fail("cannot map model file '", path, "': ", std::strerror(errno));
+  }
+  data_ = static_cast<const std::byte*>(p);
+}
+
+mapped_file::~mapped_file() {
+  if (data_ != nullptr) {
+    ::munmap(const_cast<std::byte*>(data_), size_);
+  }
+}
+
+}  // namespace mini_decoder

@@ -1,0 +1,61 @@
+//! @file
+//! @brief Errors and file mapping shared by the mini-decoder's loaders.
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace mini_decoder {
+
+//! Every bad input (missing or corrupt model, bad flag, prompt too long) raises this; its message
+//! is one line that says what is wrong and, where it helps, what to do.
+class decoder_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <class... Args>
+[[noreturn]] void fail(Args&&... args) {
+  std::ostringstream s;
+  (s << ... << std::forward<Args>(args));
+  throw decoder_error(s.str());
+}
+
+//! A read-only memory map of a whole file: model weights are used in place, never copied.
+class mapped_file {
+ public:
+  mapped_file() = default;
+  explicit mapped_file(const std::string& path);
+  mapped_file(mapped_file&& o) noexcept { swap(o); }
+  mapped_file& operator=(mapped_file&& o) noexcept {
+    swap(o);
+    return *this;
+  }
+  mapped_file(const mapped_file&) = delete;
+  mapped_file& operator=(const mapped_file&) = delete;
+  ~mapped_file();
+
+  const std::byte* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  void swap(mapped_file& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(size_, o.size_);
+    std::swap(path_, o.path_);
+  }
+  const std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+  std::string path_;
+};
+
+//! The hint appended to every "model missing or unreadable" error.
+inline constexpr const char* fetch_hint =
+    "; fetch it with scripts/fetch-models.sh (SmolLM2 -> ./models/) or use "
+    "../shared/models/stories260K/stories260K.bin";
+
+}  // namespace mini_decoder

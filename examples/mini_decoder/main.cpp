@@ -1,0 +1,215 @@
+// mini_decoder: a small Llama-family engine whose attention runs through OasisKV.
+#include <fmt/core.h>
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "decoder.hpp"
+#include "oasiskv/core/error.hpp"
+
+using namespace mini_decoder;
+
+namespace {
+
+struct cli_options {
+  std::string model, prompt, prompt_file, tokenizer, mode = "dense", draft = "none", compare;
+  decoder_options dec;
+  bool chat = false, quiet = false;
+  int threads = 1;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    fail("cannot open --prompt-file '", path, "'");
+  }
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string mib(std::uint64_t b) {
+  return fmt::format("{:.2f} MiB", b / 1048576.0);
+}
+
+void print_table(const cli_options& cli, const generation_report& r, const generation_report* dense,
+                 const std::vector<int>& tokens, const std::vector<int>* dense_tokens) {
+  auto row = [&](const std::string& name, const std::string& a, const std::string& b) {
+    fmt::print(stderr, "  {:<34} {:>18} {:>18}\n", name, a, dense != nullptr ? b : "");
+  };
+  fmt::print(stderr, "\n");
+  row("", cli.mode, "dense");
+  auto both = [&](const std::string& name, auto f) {
+    row(name, f(r), dense ? f(*dense) : "");
+  };
+  both("prompt tokens",
+       [](const generation_report& x) { return fmt::format("{}", x.prompt_tokens); });
+  both("generated tokens",
+       [](const generation_report& x) { return fmt::format("{}", x.generated); });
+  both("prefill tokens/s", [](const generation_report& x) {
+    return fmt::format("{:.1f}", x.prompt_tokens / std::max(1e-9, x.prefill_seconds));
+  });
+  both("decode tokens/s", [](const generation_report& x) {
+    return fmt::format("{:.2f}", x.decode_tokens_per_second());
+  });
+  both("rounds / drafted / accepted", [](const generation_report& x) {
+    return fmt::format("{}/{}/{}", x.rounds, x.drafted, x.accepted);
+  });
+  both("acceptance rate", [](const generation_report& x) {
+    return fmt::format("{:.1f}%", 100.0 * x.acceptance_rate());
+  });
+  both("tokens per target pass", [](const generation_report& x) {
+    return fmt::format("{:.2f}", x.rounds ? double(x.accepted + x.rounds) / x.rounds : 0.0);
+  });
+  both("attention steps (seq x layer)",
+       [](const generation_report& x) { return fmt::format("{}", x.cache.sequence_steps); });
+  both("lookaheads / unpredicted", [](const generation_report& x) {
+    return fmt::format("{}/{}", x.cache.lookaheads, x.cache.unpredicted);
+  });
+  both("prefetch hits / misses", [](const generation_report& x) {
+    return fmt::format("{}/{}", x.cache.step.hits, x.cache.step.misses);
+  });
+  both("hit rate", [](const generation_report& x) {
+    return fmt::format("{:.2f}%", 100.0 * x.cache.hit_rate());
+  });
+  both("bytes prefetched",
+       [](const generation_report& x) { return mib(x.cache.bytes_prefetched); });
+  both("blocks attended per step", [](const generation_report& x) {
+    return fmt::format("{:.1f}", x.cache.sequence_steps
+                                     ? double(x.cache.selected_blocks) / x.cache.sequence_steps
+                                     : 0.0);
+  });
+  both("fast-tier bytes held", [](const generation_report& x) { return mib(x.fast_tier_bytes); });
+  both("dense KV bytes (final length)",
+       [](const generation_report& x) { return mib(x.dense_kv_bytes); });
+  both("fast tier / dense", [](const generation_report& x) {
+    return fmt::format("{:.3f}",
+                       x.dense_kv_bytes ? double(x.fast_tier_bytes) / x.dense_kv_bytes : 0.0);
+  });
+  if (dense_tokens != nullptr) {
+    std::size_t same_prefix = 0, same = 0;
+    const std::size_t n = std::min(tokens.size(), dense_tokens->size());
+    while (same_prefix < n && tokens[same_prefix] == (*dense_tokens)[same_prefix])
+      ++same_prefix;
+    for (std::size_t i = 0; i < n; ++i)
+      same += tokens[i] == (*dense_tokens)[i];
+    row("agreement with dense (prefix)", fmt::format("{}/{}", same_prefix, dense_tokens->size()),
+        "");
+    row("agreement with dense (positions)",
+        fmt::format("{:.1f}%",
+                    n ? 100.0 * same / std::max(tokens.size(), dense_tokens->size()) : 100.0),
+        "");
+  }
+}
+
+int run(cli_options& cli) {
+  set_num_threads(cli.threads);
+  cli.dec.mode = parse_mode(cli.mode);
+  cli.dec.draft = parse_draft(cli.draft);
+  if (!cli.compare.empty() && cli.compare != "dense") {
+    fail("--compare accepts only 'dense'");
+  }
+  if (cli.prompt.empty() == cli.prompt_file.empty()) {
+    fail("give exactly one of --prompt and --prompt-file");
+  }
+  const std::string text = cli.prompt_file.empty() ? cli.prompt : read_file(cli.prompt_file);
+  const auto m = load_model(cli.model, cli.tokenizer);
+  const model_config& c = m->config;
+  fmt::print(stderr,
+             "model: {} ({} layers, {} q / {} kv heads, head_dim {}, vocab {}, context {}, "
+             "rope theta {}), matmul path {}, {} threads\n",
+             c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+             c.context_length, c.rope_theta * cli.dec.rope_scale, matmul_isa(), cli.threads);
+  const std::vector<int> prompt = m->tok->encode(cli.chat ? m->tok->chat_prompt(text) : text, true);
+  if (!cli.quiet && !cli.chat) {
+    for (std::size_t i = 0; i < prompt.size(); ++i) {
+      if (i == 0 && m->tok->adds_bos())
+        continue;
+      std::fputs(m->tok->decode(i ? prompt[i - 1] : -1, prompt[i]).c_str(), stdout);
+    }
+  }
+  auto progress = [](const char* phase, std::uint32_t done, std::uint32_t total, double s) {
+    if (std::string(phase) == "prefill") {
+      fmt::print(stderr, "\rprefill: layer {}/{} ({:.1f} s)   ", done, total, s);
+    } else if (std::string(phase) == "decode") {
+      fmt::print(stderr, "\rdecode: {}/{} tokens, {:.2f} tokens/s   ", done, total,
+                 s > 0 ? done / s : 0.0);
+    } else {
+      fmt::print(stderr, "\rdone: {} tokens in {:.2f} s               \n", done, s);
+    }
+  };
+  cli.dec.progress = progress;
+  decoder dec(*m, cli.dec);
+  int prev = prompt.back();
+  const std::vector<int> tokens = dec.generate(prompt, [&](int t) {
+    if (!cli.quiet) {
+      std::fputs(m->tok->decode(prev, t).c_str(), stdout);
+      std::fflush(stdout);
+    }
+    prev = t;
+    return true;
+  });
+  if (!cli.quiet)
+    std::fputs("\n", stdout);
+  std::fflush(stdout);
+  generation_report dense_report;
+  std::vector<int> dense_tokens;
+  const bool compare = cli.compare == "dense";
+  if (compare) {
+    decoder_options d = cli.dec;
+    d.mode = attention_mode::dense;
+    decoder dense(*m, d);
+    dense_tokens = dense.generate(prompt);
+    dense_report = dense.report();
+  }
+  print_table(cli, dec.report(), compare ? &dense_report : nullptr, tokens,
+              compare ? &dense_tokens : nullptr);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"mini_decoder: a Llama-family decoder whose attention runs through OasisKV"};
+  cli_options cli;
+  decoder_options& d = cli.dec;
+  app.add_option("--model", cli.model, "GGUF or llama2.c model file")->required();
+  app.add_option("--tokenizer", cli.tokenizer, "llama2.c tokenizer (default: beside the model)");
+  app.add_option("--prompt", cli.prompt, "prompt text");
+  app.add_option("--prompt-file", cli.prompt_file, "file holding the prompt");
+  app.add_flag("--chat", cli.chat, "wrap the prompt in the model's ChatML template");
+  app.add_option("--max-tokens", d.max_tokens, "tokens to generate")->capture_default_str();
+  app.add_option("--mode", cli.mode, "dense|oasis|quest|recency|on-demand")->capture_default_str();
+  app.add_option("--budget", d.budget_tokens, "tokens attended per layer and step")
+      ->capture_default_str();
+  app.add_option("--block", d.block_tokens, "tokens per KV block")->capture_default_str();
+  app.add_option("--draft", cli.draft, "self|ngram|none")->capture_default_str();
+  app.add_option("--draft-len", d.draft_len, "tokens drafted per round (1-15)")
+      ->capture_default_str();
+  app.add_option("--draft-layers", d.draft_layers, "layers of the self-speculative draft")
+      ->capture_default_str();
+  app.add_option("--temperature", d.temperature, "0: greedy")->capture_default_str();
+  app.add_option("--top-p", d.top_p, "nucleus sampling mass")->capture_default_str();
+  app.add_option("--seed", d.seed, "sampling seed")->capture_default_str();
+  app.add_option("--context", d.context, "context length (0: the model's)")->capture_default_str();
+  app.add_option("--rope-scale", d.rope_scale, "multiplies RoPE theta")->capture_default_str();
+  app.add_option("--threads", cli.threads, "threads for matrix products")->capture_default_str();
+  app.add_option("--attention-threads", d.attention_threads, "threads of the attention kernel")
+      ->capture_default_str();
+  app.add_option("--compare", cli.compare, "also run 'dense' and report agreement");
+  app.add_flag("--quiet", cli.quiet, "print only the table");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run(cli);
+  } catch (const std::exception& e) {  // decoder_error, oasiskv::error, bad_alloc: one line
+    std::fflush(stdout);
+    fmt::print(stderr, "\nmini_decoder: error: {}\n", e.what());
+    return 1;
+  }
+}

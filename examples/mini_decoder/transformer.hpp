@@ -1,0 +1,59 @@
+//! @file
+//! @brief The Llama forward pass: RMSNorm, RoPE, GQA attention (supplied by the caller: the KV
+//! cache lives outside), SwiGLU, tied or separate LM head.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "model.hpp"
+
+namespace mini_decoder {
+
+//! Attention of `n` new tokens in `layer`: q is [n][heads][hd]; k, v are [n][kv_heads][hd]
+//! (already rounded to the cache's f16, so a copy of them equals what the cache holds); out is
+//! [n][heads][hd]. The callee owns the KV cache: it appends what it commits and attends.
+using attention_fn = std::function<void(std::uint32_t layer, std::uint32_t n, const float* q,
+                                        const float* k, const float* v, float* out)>;
+//! Receives one layer's keys and values of a prefill, [n][kv_heads][hd], f16-rounded.
+using kv_sink_fn =
+    std::function<void(std::uint32_t layer, const float* k, const float* v, std::uint32_t n)>;
+
+class transformer {
+ public:
+  static constexpr std::uint32_t max_step_tokens = 16;  // what the library's attend takes
+
+  //! `rope_scale` multiplies RoPE's theta (longer contexts than the model was trained for).
+  transformer(const model& m, float rope_scale = 1.0f);
+
+  const model_config& config() const { return m_.config; }
+
+  //! Runs `n` (<= 16) tokens at positions `pos0`.. through the first `layers` layers, the final
+  //! norm and the LM head: `logits` is [n][vocab]. Quantized weights stay quantized.
+  void step(const int* tokens, std::uint32_t n, std::uint32_t pos0, std::uint32_t layers,
+            const attention_fn& attend, float* logits);
+
+  //! The prompt, all layers, dense causal attention computed here (prefill is exact in every
+  //! mode); `sink` gets each layer's K,V to append. `logits` gets the last token's [vocab].
+  void prefill(const int* tokens, std::uint32_t n, const kv_sink_fn& sink, float* logits);
+
+ private:
+  void rope(float* x, std::uint32_t heads, std::uint32_t n, std::uint32_t pos0) const;
+  void rmsnorm(float* out, const float* x, const float* w, std::uint32_t n) const;
+  void embed(const int* tokens, std::uint32_t n, float* x) const;
+  void attention_prefill(const float* q, const float* k, const float* v, std::uint32_t n,
+                         float* out);
+
+  const model& m_;
+  std::vector<float> inv_freq_;  // [hd/2]
+  // decode scratch, [16][...]
+  std::vector<float> x_, xb_, q_, k_, v_, att_, hb_, hb2_;
+  // prefill scratch
+  std::vector<float> px_, pxb_, pq_, pk_, pv_, patt_, phb_, phb2_, wscratch_, scores_;
+};
+
+//! Rounds to f16 and back: what the cache will store.
+void round_to_f16(float* x, std::size_t n);
+
+}  // namespace mini_decoder
