@@ -59,6 +59,11 @@ class tiered_kv_cache {
   using scheduler_type = typename Policies::scheduler::template bind<fast_tier_type, slow_tier_type,
                                                                      transfer_type, allocator_type>;
   static constexpr bool has_summary = !std::is_same_v<summary_type, no_summary>;
+  //! True for kernels that read device memory but accept tables built on the host
+  //! (`decode_host_tables`): the cache's tables always are.
+  static constexpr bool host_table_kernel = requires(kernel_type & k, const decode_params& dp) {
+    k.decode_host_tables(dp);
+  };
   //! True for the dense baseline (`all_resident`): every block is staged as soon as it fills.
   static constexpr bool stages_everything = [] {
     if constexpr (requires { scheduler_type::mode; }) {
@@ -257,7 +262,7 @@ class tiered_kv_cache {
         throw;
       }
     }
-    if (lse == nullptr) {
+    if (lse == nullptr && !host_table_kernel) {
       sc.lse.resize(rows);
       lse = sc.lse.data();
     }
@@ -274,7 +279,11 @@ class tiered_kv_cache {
     p.scale = options_.scale > 0.0f ? options_.scale
                                     : 1.0f / std::sqrt(static_cast<float>(layout_.head_dim));
     try {
-      kernel_.decode(p);
+      if constexpr (host_table_kernel) {
+        kernel_.decode_host_tables(p);  // a device kernel: it uploads the host-built tables
+      } else {
+        kernel_.decode(p);
+      }
     } catch (...) {
       std::lock_guard lock(mutex_);
       scheduler_.release(sc.fast);
@@ -328,7 +337,7 @@ class tiered_kv_cache {
                     " blocks resident in a fast tier of ", fast_.num_slots());
     }
     std::size_t compared = 0;
-    std::vector<std::byte> buffer(layout_.block_bytes());
+    std::vector<std::byte> buffer(layout_.block_bytes()), fast_buffer;
     for (auto& [id, st] : sequences_) {
       for (auto& ls : st.layers) {
         for (slot_id s : ls.blocks) {
@@ -336,7 +345,16 @@ class tiered_kv_cache {
           if (!f) {
             continue;
           }
-          const std::byte* fast_bytes = fast_.slot_data(*f);
+          const std::byte* fast_bytes = nullptr;
+          if constexpr (host_accessible_tier<fast_tier_type>) {
+            fast_bytes = fast_.slot_data(*f);
+          } else if constexpr (block_io_tier<fast_tier_type>) {
+            fast_buffer.resize(layout_.block_bytes());
+            fast_.read_block(*f, fast_buffer.data());
+            fast_bytes = fast_buffer.data();
+          } else {
+            continue;  // bookkeeping only: the CPU cannot read this tier
+          }
           const std::byte* slow_bytes = read_capacity(s, buffer);
           if (std::memcmp(fast_bytes, slow_bytes, layout_.block_bytes()) != 0) [[unlikely]] {
             detail::raise(errc::invalid_argument, "audit: staged copy of capacity slot ", s,
@@ -506,7 +524,14 @@ class tiered_kv_cache {
       block = ls.tail.data();
     }
     if (staged) {
-      scatter(fast_.slot_data(*staged));  // write-through keeps the staged copy exact
+      if constexpr (host_accessible_tier<fast_tier_type>) {
+        scatter(fast_.slot_data(*staged));  // write-through keeps the staged copy exact
+      } else {
+        // Device memory: stage the updated block again through the engine rather than write
+        // rows the CPU cannot reach.
+        scheduler_.forget(slot);
+        scheduler_.prefetch(std::span<const slot_id>(&slot, 1));
+      }
     }
     if constexpr (has_summary) {
       summaries_.update(slot, block, offset, count);

@@ -64,7 +64,8 @@ class sparse_decode {
   using options = sparse_decode_options;
 
   sparse_decode() : sparse_decode(options{}) {}
-  explicit sparse_decode(options o) : options_(o), state_(std::make_shared<state>()) {}
+  explicit sparse_decode(options o)
+      : options_(o), state_(std::make_shared<state>()), upload_(std::make_shared<uploads>()) {}
 
   const options& config() const noexcept { return options_; }
   void set_stream(cudaStream_t s) noexcept { options_.stream = s; }
@@ -87,6 +88,42 @@ class sparse_decode {
     if (!options_.asynchronous && !capturing) {
       finish();
     }
+  }
+
+  //! @brief `decode` for callers that build the tables on the host, as `tiered_kv_cache` does:
+  //! `p.table.refs`, `p.table.offsets` and `p.seq_lens` are host memory; they are copied on the
+  //! kernel's stream into device buffers this kernel owns (pageable sources: the copy is done
+  //! when the call returns, so the caller may reuse them). `q`, `out` and the pool are device
+  //! memory; a null `lse` uses a device buffer of the kernel's. Not capturable (it copies).
+  void decode_host_tables(const decode_params& p) const {
+    if (p.table.offsets == nullptr || p.seq_lens == nullptr || p.table.refs == nullptr)
+        [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "cuda::sparse_decode::decode_host_tables: null table or seq_lens");
+    }
+    const std::size_t tables = std::size_t{p.num_seqs} * p.table.tables_per_seq;
+    const std::size_t refs = p.table.offsets[tables];
+    const std::size_t rows = std::size_t{p.num_seqs} * p.q_len * p.pool.layout.num_q_heads;
+    std::lock_guard lock(upload_->mutex);
+    upload_->reserve(refs * sizeof(block_ref), (tables + 1) * 4, p.num_seqs * 4,
+                     p.lse == nullptr ? rows * sizeof(float) : 0);
+    detail::check(cudaMemcpyAsync(upload_->refs.ptr, p.table.refs, refs * sizeof(block_ref),
+                                  cudaMemcpyHostToDevice, options_.stream),
+                  "cuda::sparse_decode: uploading table.refs");
+    detail::check(cudaMemcpyAsync(upload_->offsets.ptr, p.table.offsets, (tables + 1) * 4,
+                                  cudaMemcpyHostToDevice, options_.stream),
+                  "cuda::sparse_decode: uploading table.offsets");
+    detail::check(cudaMemcpyAsync(upload_->lens.ptr, p.seq_lens, p.num_seqs * 4,
+                                  cudaMemcpyHostToDevice, options_.stream),
+                  "cuda::sparse_decode: uploading seq_lens");
+    decode_params d = p;
+    d.table.refs = static_cast<const block_ref*>(upload_->refs.ptr);
+    d.table.offsets = static_cast<const std::uint32_t*>(upload_->offsets.ptr);
+    d.seq_lens = static_cast<const std::uint32_t*>(upload_->lens.ptr);
+    if (d.lse == nullptr) {
+      d.lse = static_cast<float*>(upload_->lse.ptr);
+    }
+    decode(d);
   }
 
   //! @brief Allocates what a decode of this shape needs, so that a later call can be captured
@@ -141,6 +178,44 @@ class sparse_decode {
       }
     }
   };
+  // Device buffers of decode_host_tables, grown on demand.
+  struct uploads {
+    struct buffer {
+      void* ptr = nullptr;
+      std::size_t bytes = 0;
+      void grow(std::size_t need) {
+        if (need <= bytes) {
+          return;
+        }
+        (void)cudaFree(ptr);
+        ptr = nullptr;
+        bytes = 0;
+        detail::check(cudaMalloc(&ptr, need), "cuda::sparse_decode: allocating upload buffers",
+                      errc::out_of_memory);
+        bytes = need;
+      }
+    };
+    std::mutex mutex;
+    buffer refs, offsets, lens, lse;
+    void reserve(std::size_t r, std::size_t o, std::size_t l, std::size_t s) {
+      refs.grow(std::max<std::size_t>(r, 16));
+      offsets.grow(o);
+      lens.grow(l);
+      if (s != 0) {
+        lse.grow(s);
+      }
+    }
+    uploads() = default;
+    uploads(const uploads&) = delete;
+    uploads& operator=(const uploads&) = delete;
+    ~uploads() {
+      (void)cudaFree(refs.ptr);
+      (void)cudaFree(offsets.ptr);
+      (void)cudaFree(lens.ptr);
+      (void)cudaFree(lse.ptr);
+    }
+  };
+
   struct plan {
     std::uint32_t rows = 1, rows_per_cta = 1, row_chunks = 1, splits = 1;
     std::size_t out_rows = 0;  // num_seqs * q_len * num_q_heads
@@ -383,6 +458,7 @@ class sparse_decode {
 
   options options_;
   std::shared_ptr<state> state_;
+  std::shared_ptr<uploads> upload_;
 };
 
 static_assert(sparse_attention_kernel<sparse_decode>);
