@@ -6,10 +6,17 @@
 // reports frac_of_dense_floor: that time divided by the time of one read of the dense K+V
 // bytes, measured in this process, single-threaded like the predictor (median of 15 reads over
 // a pool of exactly the sequence's blocks). Target: <= 0.08. It also reports the summary's
-// bytes against the KV bytes it describes. Rows:
+// bytes against the KV bytes it describes, and speedup_vs_f16: the time of the same select()
+// with the f16 min/max scoring as it was before the tiled layout (`legacy_minmax_f16` below:
+// row-major entries, per-entry dot products with horizontal sums) over this row's time, both
+// timed back to back in alternating batches inside the row (thread CPU time, median of 7), so
+// that load changes hit both alike. Rows:
 //   dense_read/<shape>                           the read probe itself
 //   lookahead_minmax/<shape>/tokens:N            lookahead_predictor<minmax_summary<f16>>, max
-//   lookahead_minmax_softmax/<shape>/tokens:N    ... with softmax_mass_aggregation
+//   lookahead_minmax_bf16/<shape>/tokens:N       ... minmax_summary<bf16>, exact f32 scoring
+//   lookahead_quantized/<shape>/tokens:N         ... quantized_minmax_summary (int8, VNNI)
+//   lookahead_legacy_f16/<shape>/tokens:N        ... legacy_minmax_f16 (speedup_vs_f16 == 1)
+//   lookahead_minmax_softmax/<shape>/tokens:N    ... f16 with softmax_mass_aggregation
 //   lookahead_mean/<shape>/tokens:N              lookahead_predictor<mean_summary>
 // Shapes: llama32k (32 q / 8 kv heads, head dim 128) and smollm2 (9 q / 3 kv, head dim 64), both
 // 32768 tokens of context in 16-token f16 blocks; budget 2048 tokens (128 blocks), 1 sink block,
@@ -19,16 +26,21 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <ctime>
+#include <limits>
 #include <map>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "oasiskv/concepts/block_summary.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -77,11 +89,91 @@ std::uint64_t read_all(const std::byte* p, std::size_t bytes) {
 }
 #endif
 
-// One sequence of `context` tokens: its KV blocks, both summaries of them, and queries.
+// minmax_summary<f16> as it was before the tiled layout, the baseline of speedup_vs_f16:
+// [kv head][entry][max (d) | min (d)] rows scored by detail::dot_entries (per entry, tiles of up
+// to 8 query rows against the row, then horizontal sums). The same bounds, the same f32 math.
+class legacy_minmax_f16 {
+ public:
+  legacy_minmax_f16(const kv_layout& l, std::uint32_t capacity)
+      : l_(l),
+        capacity_(capacity),
+        isa_(resolve_score_isa(score_isa::best)),
+        bounds_(std::size_t{l.num_kv_heads} * capacity * 2 * l.head_dim),
+        tokens_(capacity) {
+    for (std::uint32_t b = 0; b < capacity; ++b) {
+      reset(b);
+    }
+  }
+  std::uint32_t capacity() const { return capacity_; }
+  std::size_t bytes_per_block() const {
+    return std::size_t{l_.num_kv_heads} * 2 * l_.head_dim * sizeof(f16) + 2;
+  }
+  void reset(std::uint32_t b) {
+    const std::uint32_t d = l_.head_dim;
+    for (std::uint32_t h = 0; h < l_.num_kv_heads; ++h) {
+      for (std::uint32_t x = 0; x < d; ++x) {
+        entry(h, b)[x] = f16::from_float(-std::numeric_limits<float>::infinity());
+        entry(h, b)[d + x] = f16::from_float(std::numeric_limits<float>::infinity());
+      }
+    }
+    tokens_[b] = 0;
+  }
+  void update(std::uint32_t b, const std::byte* block, std::uint32_t first, std::uint32_t count) {
+    const std::uint32_t d = l_.head_dim;
+    for (std::uint32_t h = 0; h < l_.num_kv_heads; ++h) {  // f16 keys only (the fixture's)
+      const f16* keys = reinterpret_cast<const f16*>(block + l_.key_offset(h));
+      f16* e = entry(h, b);
+      for (std::uint32_t t = first; t < first + count; ++t) {
+        for (std::uint32_t x = 0; x < d; ++x) {
+          const f16 v = keys[std::size_t{t} * d + x];
+          e[x] = v.to_float() > e[x].to_float() ? v : e[x];
+          e[d + x] = v.to_float() < e[d + x].to_float() ? v : e[d + x];
+        }
+      }
+    }
+    tokens_[b] = static_cast<std::uint16_t>(tokens_[b] + count);
+  }
+  void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+             std::uint32_t n, float* out) const {
+    const std::uint32_t d = l_.head_dim, stride = 2 * d;
+    thread_local std::vector<float> split;
+    split.resize(std::size_t{n} * stride);
+    for (std::uint32_t r = 0; r < n; ++r) {
+      for (std::uint32_t x = 0; x < d; ++x) {
+        const float v = q[std::size_t{r} * d + x];
+        split[std::size_t{r} * stride + x] = v > 0.0f ? v : 0.0f;
+        split[std::size_t{r} * stride + d + x] = v < 0.0f ? v : 0.0f;
+      }
+    }
+    detail::dot_entries(isa_, bounds_.data() + std::size_t{h} * capacity_ * stride, stride, entries,
+                        split.data(), n, stride, out);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      if (tokens_[entries[i]] == 0) {
+        std::fill(out + i * n, out + (i + 1) * n, -std::numeric_limits<float>::infinity());
+      }
+    }
+  }
+
+ private:
+  f16* entry(std::uint32_t h, std::uint32_t b) {
+    return bounds_.data() + (std::size_t{h} * capacity_ + b) * 2 * l_.head_dim;
+  }
+  kv_layout l_;
+  std::uint32_t capacity_;
+  score_isa isa_;
+  std::vector<f16> bounds_;
+  std::vector<std::uint16_t> tokens_;
+};
+static_assert(block_summary<legacy_minmax_f16>);
+
+// One sequence of `context` tokens: its KV blocks, every summary of them, and queries.
 struct fixture {
   kv_layout layout;
   host_tier pool;
   minmax_summary<> minmax;
+  minmax_summary<bf16> minmax_bf16;
+  quantized_minmax_summary quantized;
+  legacy_minmax_f16 legacy;
   mean_summary mean;
   std::vector<std::uint32_t> ids;
   std::vector<float> q;  // [8][num_q_heads][head_dim]
@@ -91,6 +183,9 @@ struct fixture {
       : layout{1, s.q_heads, s.kv_heads, s.head_dim, tokens_per_block, dtype::f16},
         pool(layout, num_blocks, {.prefault = true}),
         minmax(layout, num_blocks),
+        minmax_bf16(layout, num_blocks),
+        quantized(layout, num_blocks),
+        legacy(layout, num_blocks),
         mean(layout, num_blocks),
         ids(num_blocks) {
     std::mt19937 rng(42);
@@ -102,6 +197,9 @@ struct fixture {
         p[i] = f16::from_float(dist(rng));
       }
       minmax.update(b, pool.slot_data(b), 0, tokens_per_block);
+      minmax_bf16.update(b, pool.slot_data(b), 0, tokens_per_block);
+      quantized.update(b, pool.slot_data(b), 0, tokens_per_block);
+      legacy.update(b, pool.slot_data(b), 0, tokens_per_block);
       mean.update(b, pool.slot_data(b), 0, tokens_per_block);
     }
     std::iota(ids.begin(), ids.end(), 0u);
@@ -142,16 +240,61 @@ void bm_dense_read(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * f.kv_bytes()));
 }
 
+template <class Summary>
+prediction_input<Summary> input_of(fixture& f, Summary& s, std::uint32_t tokens) {
+  prediction_input<Summary> in;
+  in.layout = f.layout;
+  in.seq_len = context;
+  in.summaries = &s;
+  in.summary_ids = f.ids;
+  in.queries = {f.q.data(), nullptr, tokens};
+  return in;
+}
+
+// This thread's CPU seconds: on a shared machine, less disturbed by other processes than the
+// wall clock (time slices taken away do not count).
+double thread_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// Thread CPU seconds per select() of `p` over `calls` calls.
+template <class Predictor, class Summary>
+double time_calls(Predictor& p, const prediction_input<Summary>& in, selection& sel, int calls) {
+  const double t0 = thread_seconds();
+  for (int i = 0; i < calls; ++i) {
+    p.select(in, params, sel);
+    benchmark::DoNotOptimize(sel.blocks.data());
+  }
+  return (thread_seconds() - t0) / calls;
+}
+
+// The legacy f16 predictor's time over this row's, in alternating batches: median of 7 ratios.
+template <class Predictor, class Summary>
+double speedup_vs_f16(fixture& f, Summary& s, std::uint32_t tokens) {
+  using legacy_predictor = lookahead_predictor<legacy_minmax_f16>;
+  const auto in = input_of(f, s, tokens);
+  const auto legacy_in = input_of(f, f.legacy, tokens);
+  Predictor p;
+  legacy_predictor lp;
+  selection sel;
+  const double probe = time_calls(lp, legacy_in, sel, 1);
+  const int calls = std::max(1, static_cast<int>(0.01 / probe));  // ~10 ms batches
+  std::vector<double> ratios;
+  for (int i = 0; i < 7; ++i) {
+    const double mine = time_calls(p, in, sel, calls);
+    ratios.push_back(time_calls(lp, legacy_in, sel, calls) / mine);
+  }
+  std::nth_element(ratios.begin(), ratios.begin() + 3, ratios.end());
+  return ratios[3];
+}
+
 template <class Predictor, class Summary>
 void run_predictor(benchmark::State& state, Summary fixture::*summary) {
   fixture& f = get(static_cast<int>(state.range(0)));
   const auto tokens = static_cast<std::uint32_t>(state.range(1));
-  prediction_input<Summary> in;
-  in.layout = f.layout;
-  in.seq_len = context;
-  in.summaries = &(f.*summary);
-  in.summary_ids = f.ids;
-  in.queries = {f.q.data(), nullptr, tokens};
+  const prediction_input<Summary> in = input_of(f, f.*summary, tokens);
   Predictor p;
   selection sel;
   p.select(in, params, sel);  // warm the scratch buffers: steady state
@@ -169,10 +312,20 @@ void run_predictor(benchmark::State& state, Summary fixture::*summary) {
   state.counters["kv_MiB"] = static_cast<double>(f.kv_bytes()) / (1 << 20);
   state.counters["summary_over_kv"] =
       static_cast<double>((f.*summary).bytes_per_block()) / f.layout.block_bytes();
+  state.counters["speedup_vs_f16"] = speedup_vs_f16<Predictor>(f, f.*summary, tokens);
 }
 
 void bm_lookahead_minmax(benchmark::State& state) {
   run_predictor<lookahead_predictor<minmax_summary<>>>(state, &fixture::minmax);
+}
+void bm_lookahead_minmax_bf16(benchmark::State& state) {
+  run_predictor<lookahead_predictor<minmax_summary<bf16>>>(state, &fixture::minmax_bf16);
+}
+void bm_lookahead_quantized(benchmark::State& state) {
+  run_predictor<lookahead_predictor<quantized_minmax_summary>>(state, &fixture::quantized);
+}
+void bm_lookahead_legacy_f16(benchmark::State& state) {
+  run_predictor<lookahead_predictor<legacy_minmax_f16>>(state, &fixture::legacy);
 }
 void bm_lookahead_minmax_softmax(benchmark::State& state) {
   run_predictor<lookahead_predictor<minmax_summary<>, softmax_mass_aggregation>>(state,
@@ -195,6 +348,12 @@ void shape_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(bm_dense_read)->ArgName("shape")->Arg(0)->Arg(1)->UseRealTime();
 BENCHMARK(bm_lookahead_minmax)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_minmax_bf16)
+    ->Apply(shape_args)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_quantized)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_legacy_f16)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_minmax_softmax)
     ->ArgNames({"shape", "tokens"})
     ->Args({0, 4})

@@ -14,6 +14,7 @@
 #include "oasiskv/concepts/block_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "support/kv_fixture.hpp"
 
 using namespace oasiskv;
@@ -70,7 +71,8 @@ constexpr dtype all_dtypes[] = {dtype::f32, dtype::f16, dtype::bf16};
 }  // namespace
 
 TEST_CASE_TEMPLATE("block summary: incremental == bulk, reset, every scoring path", S,
-                   minmax_summary<f16>, minmax_summary<bf16>, minmax_summary<float>, mean_summary) {
+                   minmax_summary<f16>, minmax_summary<bf16>, minmax_summary<float>, mean_summary,
+                   quantized_minmax_summary) {
   static_assert(block_summary<S>);
   for (const dtype dt : all_dtypes) {
     CAPTURE(to_string(dt));
@@ -141,7 +143,8 @@ TEST_CASE_TEMPLATE("block summary: incremental == bulk, reset, every scoring pat
 }
 
 TEST_CASE_TEMPLATE("block summary: bad input and memory", S, minmax_summary<f16>,
-                   minmax_summary<bf16>, minmax_summary<float>, mean_summary) {
+                   minmax_summary<bf16>, minmax_summary<float>, mean_summary,
+                   quantized_minmax_summary) {
   SUBCASE("bad input names the value") {
     const kv_layout l{1, 4, 2, 16, 8, dtype::f16};
     host_tier pool(l, 1);
@@ -229,6 +232,59 @@ TEST_CASE_TEMPLATE("minmax_summary: an upper bound of every token's dot product"
             CHECK(got >= best - slack);
             if (fill[b] == 1 && exact) {
               CHECK(got <= best + slack);  // tight: one token's bound is its dot product
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("quantized_minmax_summary: an upper bound of every token's dot product, on every path") {
+  for (const dtype dt : all_dtypes) {
+    for (const std::uint32_t d : {24u, 64u, 128u}) {
+      CAPTURE(to_string(dt));
+      CAPTURE(d);
+      const kv_layout l{1, 6, 3, d, 16, dt};
+      const std::uint32_t nblocks = 40;  // three tiles, the last partial
+      host_tier pool(l, nblocks);
+      testing::fill_random(pool, d + 9);
+      for (const score_isa isa : {score_isa::scalar, score_isa::avx512}) {
+        if (!score_isa_supported(isa)) {
+          continue;
+        }
+        quantized_minmax_summary s(l, nblocks, isa);
+        minmax_summary<float> exact(l, nblocks);
+        std::vector<std::uint32_t> fill(nblocks), ids(nblocks);
+        for (std::uint32_t b = 0; b < nblocks; ++b) {
+          fill[b] = b < 3 ? 1 : (b % 5 == 0 ? 9 : 16);
+          s.update(b, pool.slot_data(b), 0, fill[b]);
+          exact.update(b, pool.slot_data(b), 0, fill[b]);
+          ids[b] = b;
+        }
+        const std::uint32_t n = 7;
+        std::vector<float> q = random_queries(n, d, d);
+        q[3] = 1e-30f;  // tiny and huge query elements: the query rounding's slack must cover
+        q[d + 1] = -3e4f;
+        for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+          const auto bound = scores(s, h, ids, q, n);
+          const auto tight = scores(exact, h, ids, q, n);
+          for (std::uint32_t b = 0; b < nblocks; ++b) {
+            for (std::uint32_t r = 0; r < n; ++r) {
+              double best = -1e300, mag = 0.0;
+              for (std::uint32_t t = 0; t < fill[b]; ++t) {
+                const auto k = key_of(pool, b, h, t);
+                double dot = 0.0;
+                for (std::uint32_t x = 0; x < d; ++x) {
+                  dot += double{q[r * d + x]} * k[x];
+                  mag += std::abs(double{q[r * d + x]} * k[x]);
+                }
+                best = std::max(best, dot);
+              }
+              const double got = bound[b * n + r];
+              const double slack = 1e-5 * mag / fill[b] + 1e-6;  // f32 rounding
+              CHECK(got >= best - slack);
+              CHECK(got >= tight[b * n + r] - slack);  // never below the exact min/max bound
             }
           }
         }

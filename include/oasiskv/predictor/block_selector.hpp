@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -22,7 +23,10 @@ class block_selector {
   //! @brief Appends to `out` the blocks of one table, ascending: blocks `[0, sinks)`, the last
   //! `max(recent, 1)` blocks (the last one holds the newest token and may be partial), and the
   //! highest `scores[i]` among the rest until `budget_blocks` are chosen, ties to the lower
-  //! index. NaN scores count as `+inf`. O(num_blocks): `std::nth_element`, not a sort.
+  //! index. NaN scores count as `+inf`. O(num_blocks): `std::nth_element` over the candidates'
+  //! scores (plain floats: cheaper to move and compare than (score, index) pairs; for a small
+  //! budget only those above a cheap lower bound of the threshold) finds the k-th highest
+  //! score, and one ascending pass keeps every block above it and the first ones equal to it.
   void append_table(const float* scores, std::uint32_t num_blocks, const selection_params& sp,
                     std::vector<std::uint32_t>& out) {
     const std::uint32_t n = num_blocks;
@@ -35,41 +39,65 @@ class block_selector {
     const std::uint32_t sinks = std::min(sp.sink_blocks, n);
     const std::uint32_t recent = std::min(std::max(sp.recent_blocks, 1u), n - sinks);
     const std::uint32_t end = n - recent;  // candidates are [sinks, end)
-    keep_.assign(n, 0);
-    std::fill(keep_.begin(), keep_.begin() + sinks, std::uint8_t{1});
-    std::fill(keep_.begin() + end, keep_.end(), std::uint8_t{1});
+    for (std::uint32_t i = 0; i < sinks; ++i) {
+      out.push_back(i);
+    }
     // budget >= sinks + recent (checked by the caller) and budget < n, so 0 <= k < candidates.
     const std::uint32_t k = sp.budget_blocks - sinks - recent;
     if (k > 0) {
-      ranked_.clear();
-      for (std::uint32_t i = sinks; i < end; ++i) {
-        const float s = scores[i];
-        ranked_.push_back({std::isnan(s) ? std::numeric_limits<float>::infinity() : s, i});
+      constexpr float inf = std::numeric_limits<float>::infinity();
+      const std::uint32_t m = end - sinks;
+      ranked_.resize(m);
+      for (std::uint32_t i = 0; i < m; ++i) {
+        const float s = scores[sinks + i];
+        ranked_[i] = s != s ? inf : s;
       }
-      std::nth_element(ranked_.begin(), ranked_.begin() + (k - 1), ranked_.end(), ranks_higher);
-      for (std::uint32_t j = 0; j < k; ++j) {
-        keep_[ranked_[j].index] = 1;
+      // When k is a small share of the candidates, the least of k chunk maxima is a cheap
+      // lower bound of the k-th highest score (each chunk holds a score at least that high):
+      // only the scores at or above it go to nth_element.
+      std::vector<float>* pool = &ranked_;
+      if (std::uint64_t{k} * 8 <= m) {
+        const std::uint32_t chunk = m / k;
+        float lower = inf;
+        for (std::uint32_t c = 0; c < k; ++c) {
+          float top = -inf;
+          for (std::uint32_t i = c * chunk; i < (c + 1) * chunk; ++i) {
+            top = ranked_[i] > top ? ranked_[i] : top;
+          }
+          lower = top < lower ? top : lower;
+        }
+        pool_.clear();
+        pool_.reserve(m);  // allocates only when the sequence has grown
+        for (std::uint32_t i = 0; i < m; ++i) {
+          if (ranked_[i] >= lower) {
+            pool_.push_back(ranked_[i]);
+          }
+        }
+        pool = &pool_;
+      }
+      std::nth_element(pool->begin(), pool->begin() + (k - 1), pool->end(), std::greater<float>());
+      const float threshold = (*pool)[k - 1];
+      std::uint32_t above = 0;
+      for (std::uint32_t i = 0; i < k - 1; ++i) {
+        above += (*pool)[i] > threshold ? 1u : 0u;
+      }
+      std::uint32_t ties = k - above;  // blocks scoring exactly `threshold` to keep, lowest first
+      for (std::uint32_t i = sinks; i < end; ++i) {
+        const float s = scores[i] != scores[i] ? inf : scores[i];
+        if (s > threshold || (s == threshold && ties > 0)) {
+          ties -= s == threshold ? 1u : 0u;
+          out.push_back(i);
+        }
       }
     }
-    for (std::uint32_t i = 0; i < n; ++i) {
-      if (keep_[i] != 0) {
-        out.push_back(i);
-      }
+    for (std::uint32_t i = end; i < n; ++i) {
+      out.push_back(i);
     }
   }
 
  private:
-  struct ranked {
-    float score;
-    std::uint32_t index;
-  };
-  // A strict total order (indices are distinct), so the chosen set is unique: deterministic.
-  static bool ranks_higher(const ranked& a, const ranked& b) noexcept {
-    return a.score > b.score || (a.score == b.score && a.index < b.index);
-  }
-
-  std::vector<ranked> ranked_;
-  std::vector<std::uint8_t> keep_;
+  std::vector<float> ranked_;  // the candidates' scores, NaN as +inf; reused across calls
+  std::vector<float> pool_;    // those at or above the chunk-maxima floor
 };
 
 namespace detail {

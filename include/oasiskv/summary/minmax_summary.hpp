@@ -14,6 +14,7 @@
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
+#include "oasiskv/summary/minmax_kernels.hpp"
 #include "oasiskv/summary/score_kernels.hpp"
 
 namespace oasiskv {
@@ -28,41 +29,48 @@ namespace oasiskv {
 //! `Storage`'s range stores an infinite bound, and a query meeting it scores `+inf` (the block is
 //! always chosen) rather than NaN. An entry with no tokens scores `-inf`.
 //!
-//! Models `block_summary`. Memory: `num_kv_heads * 2 * head_dim * sizeof(Storage) + 2` bytes per
-//! entry, 1/16 of a 16-token f16 block. Not thread-safe for concurrent `update`; concurrent
+//! Entries are stored in tiles of 16, interleaved per dimension (`detail::minmax_tile_at`), so
+//! scoring multiplies one dimension of 16 entries per instruction and needs no horizontal sums.
+//!
+//! Models `block_summary`. Memory: `num_kv_heads * 2 * head_dim * sizeof(Storage) + 6` bytes per
+//! entry, 1/16 of a 16-token f16 block; the capacity is
+//! rounded up to a multiple of 16 entries. Not thread-safe for concurrent `update`; concurrent
 //! `score` calls are safe.
 template <class Storage = f16>
 class minmax_summary {
   static_assert(std::is_same_v<Storage, f16> || std::is_same_v<Storage, bf16> ||
                     std::is_same_v<Storage, float>,
                 "oasiskv: minmax_summary<Storage> needs Storage in {f16, bf16, float}");
+  static constexpr std::uint32_t lanes = detail::minmax_tile_lanes;
 
  public:
   using storage_type = Storage;
 
   minmax_summary(const kv_layout& layout, std::uint32_t capacity, score_isa isa = score_isa::best)
-      : layout_(layout), capacity_(capacity), isa_(resolve_score_isa(isa)) {
+      : layout_(layout), capacity_(capacity), isa_(resolve(isa)) {
     layout_.validate();
     if (capacity_ == 0) [[unlikely]] {
       detail::raise(errc::invalid_argument, "minmax_summary capacity is 0");
     }
-    stride_ = 2 * std::size_t{layout_.head_dim};
-    bounds_.resize(std::size_t{layout_.num_kv_heads} * capacity_ * stride_);
+    tiles_ = (capacity_ + lanes - 1) / lanes;
+    tile_elems_ = std::size_t{2} * layout_.head_dim * lanes;
+    bounds_.resize(std::size_t{layout_.num_kv_heads} * tiles_ * tile_elems_);
     tokens_.resize(capacity_);
-    for (std::uint32_t b = 0; b < capacity_; ++b) {
-      reset(b);
-    }
+    // Every entry, and the padding lanes of the last tile, start empty: zero bounds, bias -inf.
+    bias_.assign(std::size_t{tiles_} * lanes, -std::numeric_limits<float>::infinity());
   }
 
   std::uint32_t capacity() const noexcept { return capacity_; }
   const kv_layout& layout() const noexcept { return layout_; }
   score_isa isa() const noexcept { return isa_; }
   //! @brief Chooses the scoring path (tests compare them); `errc::unsupported` if it cannot run.
-  void set_isa(score_isa isa) { isa_ = resolve_score_isa(isa); }
+  void set_isa(score_isa isa) { isa_ = resolve(isa); }
 
-  //! @brief Fast-tier bytes of one entry: both bounds of every KV head, and the token count.
+  //! @brief Fast-tier bytes of one entry: both bounds of every KV head, the empty-entry bias
+  //! and the token count.
   std::size_t bytes_per_block() const noexcept {
-    return std::size_t{layout_.num_kv_heads} * stride_ * sizeof(Storage) + sizeof(std::uint16_t);
+    return std::size_t{layout_.num_kv_heads} * 2 * layout_.head_dim * sizeof(Storage) +
+           sizeof(float) + sizeof(std::uint16_t);
   }
 
   //! @brief Tokens folded into entry `b`.
@@ -71,18 +79,12 @@ class minmax_summary {
     return tokens_[b];
   }
 
+  //! @brief Empties entry `b`: its bounds become 0 and its score `-inf` (an additive bias, so
+  //! that scoring needs no per-entry test).
   void reset(std::uint32_t b) {
     check_entry(b);
-    const Storage neg_inf = from_float<Storage>(-std::numeric_limits<float>::infinity());
-    const Storage pos_inf = from_float<Storage>(std::numeric_limits<float>::infinity());
-    const std::uint32_t d = layout_.head_dim;
-    for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
-      Storage* e = entry(h, b);
-      for (std::uint32_t x = 0; x < d; ++x) {
-        e[x] = neg_inf;      // maximum
-        e[d + x] = pos_inf;  // minimum
-      }
-    }
+    fill_bounds(b, 0.0f, 0.0f);
+    bias_[b] = -std::numeric_limits<float>::infinity();
     tokens_[b] = 0;
   }
 
@@ -103,22 +105,27 @@ class minmax_summary {
                     ") exceed tokens_per_block = ", layout_.tokens_per_block);
     }
     const std::uint32_t d = layout_.head_dim;
+    if (tokens_[b] == 0) {  // empty: fold into the identity of max / min
+      fill_bounds(b, -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::infinity());
+      bias_[b] = 0.0f;
+    }
     visit_dtype(layout_.kv_dtype, [&](auto elem) {
       using T = decltype(elem);
       for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
         const T* keys = reinterpret_cast<const T*>(block + layout_.key_offset(h));
-        Storage* e = entry(h, b);
-        for (std::uint32_t t = first; t < first + count; ++t) {
-          const T* k = keys + std::size_t{t} * d;
-          for (std::uint32_t x = 0; x < d; ++x) {
-            const float v = to_float(k[x]);
-            if (v > detail::widen(e[x])) {
-              e[x] = detail::round_up<Storage>(v);
-              saturated_ |= detail::widen(e[x]) == std::numeric_limits<float>::infinity();
+        for (std::uint32_t x = 0; x < d; ++x) {
+          Storage& hi = at(h, b, 0, x);
+          Storage& lo = at(h, b, 1, x);
+          for (std::uint32_t t = first; t < first + count; ++t) {
+            const float v = to_float(keys[std::size_t{t} * d + x]);
+            if (v > detail::widen(hi)) {
+              hi = detail::round_up<Storage>(v);
+              saturated_ |= detail::widen(hi) == std::numeric_limits<float>::infinity();
             }
-            if (v < detail::widen(e[d + x])) {
-              e[d + x] = detail::round_down<Storage>(v);
-              saturated_ |= detail::widen(e[d + x]) == -std::numeric_limits<float>::infinity();
+            if (v < detail::widen(lo)) {
+              lo = detail::round_down<Storage>(v);
+              saturated_ |= detail::widen(lo) == -std::numeric_limits<float>::infinity();
             }
           }
         }
@@ -143,54 +150,59 @@ class minmax_summary {
     if (q == nullptr || out == nullptr) [[unlikely]] {
       detail::raise(errc::invalid_argument, "minmax_summary::score: null query or output");
     }
-    for (const std::uint32_t b : entries) {
-      check_entry(b);
-    }
+    const bool contiguous = detail::check_entry_ids(entries, capacity_, "minmax_summary");
+    const std::uint32_t d = layout_.head_dim;
+    const Storage* tiles = bounds_.data() + std::size_t{h} * tiles_ * tile_elems_;
     // The bound is q+ . max + q- . min: split once per call so the kernel is two plain dot
     // products (fused multiply-adds) instead of two products and a max per element.
-    const std::uint32_t d = layout_.head_dim;
     thread_local std::vector<float> split;
-    split.resize(std::size_t{n} * stride_);
+    split.resize(std::size_t{n} * 2 * d);
     for (std::uint32_t r = 0; r < n; ++r) {
       const float* qr = q + std::size_t{r} * d;
-      float* sr = split.data() + std::size_t{r} * stride_;
+      float* sr = split.data() + std::size_t{r} * 2 * d;
       for (std::uint32_t x = 0; x < d; ++x) {
         sr[x] = qr[x] > 0.0f ? qr[x] : 0.0f;
         sr[d + x] = qr[x] < 0.0f ? qr[x] : 0.0f;
       }
     }
-    detail::dot_entries(isa_, entry(h, 0), stride_, entries, split.data(), n,
-                        static_cast<std::uint32_t>(stride_), out);
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      float* o = out + i * n;
-      if (tokens_[entries[i]] == 0) {
-        std::fill(o, o + n, -std::numeric_limits<float>::infinity());
-      } else if (saturated_) {  // only then can 0 * inf make NaN: an overflowed bound, keep it
-        for (std::uint32_t r = 0; r < n; ++r) {
-          o[r] = o[r] != o[r] ? std::numeric_limits<float>::infinity() : o[r];
-        }
+    detail::minmax_score_tiles(isa_, tiles, bias_.data(), d, entries, contiguous, split.data(), n,
+                               out);
+    if (saturated_) {  // only then can 0 * inf make NaN: an overflowed bound, keep it
+      for (std::size_t i = 0; i < entries.size() * n; ++i) {
+        out[i] = out[i] != out[i] ? std::numeric_limits<float>::infinity() : out[i];
       }
     }
   }
 
-  //! @brief The stored bounds of entry `b`, KV head `h`: `[max (head_dim)][min (head_dim)]`.
-  std::span<const Storage> bounds(std::uint32_t h, std::uint32_t b) const {
+  //! @brief The stored bounds of entry `b`, KV head `h`: `[max (head_dim)][min (head_dim)]`, a
+  //! copy (entries are stored interleaved); zeros for an empty entry.
+  std::vector<Storage> bounds(std::uint32_t h, std::uint32_t b) const {
     check_entry(b);
     if (h >= layout_.num_kv_heads) [[unlikely]] {
       detail::raise(errc::out_of_range, "minmax_summary::bounds: kv head ", h,
                     " >= num_kv_heads = ", layout_.num_kv_heads);
     }
-    return {entry(h, b), stride_};
+    std::vector<Storage> v(std::size_t{2} * layout_.head_dim);
+    for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
+      v[x] = at(h, b, 0, x);
+      v[layout_.head_dim + x] = at(h, b, 1, x);
+    }
+    return v;
   }
 
  private:
-  // [num_kv_heads][capacity][2][head_dim]: one head's entries are contiguous, so scoring a head
-  // streams through memory.
-  Storage* entry(std::uint32_t h, std::uint32_t b) noexcept {
-    return bounds_.data() + (std::size_t{h} * capacity_ + b) * stride_;
+  static score_isa resolve(score_isa isa) { return resolve_score_isa(isa); }
+
+  // [num_kv_heads][tiles][tile]: one head's entries are contiguous, so scoring a head streams
+  // through memory.
+  Storage& at(std::uint32_t h, std::uint32_t b, std::uint32_t which, std::uint32_t x) noexcept {
+    return bounds_[(std::size_t{h} * tiles_ + b / lanes) * tile_elems_ +
+                   detail::minmax_tile_at<Storage>(x, which, b % lanes)];
   }
-  const Storage* entry(std::uint32_t h, std::uint32_t b) const noexcept {
-    return bounds_.data() + (std::size_t{h} * capacity_ + b) * stride_;
+  const Storage& at(std::uint32_t h, std::uint32_t b, std::uint32_t which,
+                    std::uint32_t x) const noexcept {
+    return bounds_[(std::size_t{h} * tiles_ + b / lanes) * tile_elems_ +
+                   detail::minmax_tile_at<Storage>(x, which, b % lanes)];
   }
   void check_entry(std::uint32_t b) const {
     if (b >= capacity_) [[unlikely]] {
@@ -198,11 +210,23 @@ class minmax_summary {
     }
   }
 
+  void fill_bounds(std::uint32_t b, float hi, float lo) {
+    const Storage h16 = from_float<Storage>(hi), l16 = from_float<Storage>(lo);
+    for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+      for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
+        at(h, b, 0, x) = h16;
+        at(h, b, 1, x) = l16;
+      }
+    }
+  }
+
   kv_layout layout_;
   std::uint32_t capacity_;
   score_isa isa_;
-  std::size_t stride_ = 0;
-  std::vector<Storage> bounds_;
+  std::uint32_t tiles_ = 0;
+  std::size_t tile_elems_ = 0;
+  std::vector<Storage> bounds_;        // [num_kv_heads][tiles][2 * head_dim * 16], see at()
+  std::vector<float> bias_;            // [tiles * 16]: 0, or -inf for an empty entry
   std::vector<std::uint16_t> tokens_;  // tokens_per_block <= 1024 fits
   bool saturated_ = false;             // some key overflowed Storage: scores may need NaN fixing
 };

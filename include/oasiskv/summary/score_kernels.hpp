@@ -21,6 +21,8 @@
 #define OASISKV_SCORE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define OASISKV_SCORE_TARGET_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#define OASISKV_SCORE_TARGET_AVX512VNNI \
+  __attribute__((target("avx512vnni,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
 #else
 #define OASISKV_SCORE_X86 0
 #endif

@@ -1,0 +1,430 @@
+//! @file
+//! @brief `quantized_minmax_summary`: Quest's min/max bounds in int8 with a power-of-two scale
+//! per (entry, KV head), scored with AVX512_VNNI integer dot products. Still an upper bound.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/summary/minmax_kernels.hpp"
+#include "oasiskv/summary/score_kernels.hpp"
+
+namespace oasiskv {
+namespace detail {
+
+// Tiles of 16 entries: [dimension pair p][lane][max_2p, -min_2p, max_2p+1, -min_2p+1] int8, the
+// operand shape of vpdpbusd: one instruction multiplies both bounds of two dimensions of 16
+// entries by the matching query bytes (q+ codes, |q-| codes) and sums the four products.
+inline constexpr std::uint32_t qminmax_lanes = 16;
+
+inline std::size_t qminmax_at(std::uint32_t x, std::uint32_t which, std::uint32_t lane) noexcept {
+  return (std::size_t{x / 2} * qminmax_lanes + lane) * 4 + (x % 2) * 2 + which;
+}
+
+// The integer dot products of R query rows (`qw`, [R][d / 2] words of 4 u8) with a tile.
+inline void qminmax_lanes_scalar(const std::int8_t* tile, std::uint32_t d, std::uint32_t lane,
+                                 const std::uint32_t* qw, std::uint32_t n, std::int32_t* acc) {
+  for (std::uint32_t r = 0; r < n; ++r) {
+    std::int32_t a = 0;
+    for (std::uint32_t p = 0; p < d / 2; ++p) {
+      const std::uint32_t w = qw[std::size_t{r} * (d / 2) + p];
+      const std::int8_t* c = tile + (std::size_t{p} * qminmax_lanes + lane) * 4;
+      for (std::uint32_t k = 0; k < 4; ++k) {
+        a += static_cast<std::int32_t>((w >> (8 * k)) & 0xffu) * c[k];
+      }
+    }
+    acc[r] = a;
+  }
+}
+
+inline void qminmax_run_scalar(const std::int8_t* tile, const float* scale, const float* norm,
+                               const float* bias, std::uint32_t d, std::uint32_t lane0,
+                               std::uint32_t count, const std::uint32_t* qw, const float* t,
+                               const float* slack, std::uint32_t n, float* out) {
+  for (std::uint32_t r0 = 0; r0 < n; r0 += 8) {
+    const std::uint32_t rows = n - r0 < 8 ? n - r0 : 8;
+    for (std::uint32_t k = 0; k < count; ++k) {
+      std::int32_t acc[8];
+      qminmax_lanes_scalar(tile, d, lane0 + k, qw + std::size_t{r0} * (d / 2), rows, acc);
+      float* o = out + std::size_t{k} * n + r0;
+      for (std::uint32_t r = 0; r < rows; ++r) {
+        o[r] = (static_cast<float>(acc[r]) * (scale[lane0 + k] * t[r0 + r]) +
+                norm[lane0 + k] * slack[r0 + r]) +
+               bias[lane0 + k];
+      }
+    }
+  }
+}
+
+#if OASISKV_SCORE_X86
+#pragma GCC diagnostic push  // gcc 12's unmasked AVX-512 intrinsics: see score_kernels.hpp
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+template <int R>
+OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile,
+                                                              std::uint32_t d,
+                                                              const std::uint32_t* qw,
+                                                              std::int32_t* acc_out) {
+  __m512i acc[2][R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[0][r] = _mm512_setzero_si512();
+    acc[1][r] = _mm512_setzero_si512();
+  }
+  const std::uint32_t pairs = d / 2;  // even: head_dim is a multiple of 8
+  for (std::uint32_t p = 0; p < pairs; p += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(tile + std::size_t{p + 8} * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + std::size_t{p + 9} * 64), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (std::uint32_t k = 0; k < 2; ++k) {
+      const __m512i c = _mm512_loadu_si512(tile + std::size_t{p + k} * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i q = _mm512_set1_epi32(
+            static_cast<int>(qw[std::size_t{pairs} * static_cast<std::size_t>(r) + p + k]));
+        acc[k][r] = _mm512_dpbusd_epi32(acc[k][r], q, c);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_si512(acc_out + 16 * r, _mm512_add_epi32(acc[0][r], acc[1][r]));
+  }
+}
+
+// Lanes [lane0, lane0 + count) of one tile, every row: out[k * n + r] =
+// dot * (scale * t[r]) + slack[r] * norm + bias, the epilogue in vectors of 16 entries.
+OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_run_vnni(
+    const std::int8_t* tile, const float* scale, const float* norm, const float* bias,
+    std::uint32_t d, std::uint32_t lane0, std::uint32_t count, const std::uint32_t* qw,
+    const float* t, const float* slack, std::uint32_t n, float* out) {
+  alignas(64) std::int32_t acc[8 * 16];
+  alignas(64) float res[8 * 16];
+  const __m512 sv = _mm512_loadu_ps(scale), nv = _mm512_loadu_ps(norm);
+  const __m512 bv = _mm512_loadu_ps(bias);
+  for (std::uint32_t r0 = 0; r0 < n; r0 += 8) {
+    const std::uint32_t rows = n - r0 < 8 ? n - r0 : 8;
+    const std::uint32_t* w = qw + std::size_t{r0} * (d / 2);
+    switch (rows) {
+      case 8:
+        qminmax_tile_vnni<8>(tile, d, w, acc);
+        break;
+      case 7:
+        qminmax_tile_vnni<7>(tile, d, w, acc);
+        break;
+      case 6:
+        qminmax_tile_vnni<6>(tile, d, w, acc);
+        break;
+      case 5:
+        qminmax_tile_vnni<5>(tile, d, w, acc);
+        break;
+      case 4:
+        qminmax_tile_vnni<4>(tile, d, w, acc);
+        break;
+      case 3:
+        qminmax_tile_vnni<3>(tile, d, w, acc);
+        break;
+      case 2:
+        qminmax_tile_vnni<2>(tile, d, w, acc);
+        break;
+      default:
+        qminmax_tile_vnni<1>(tile, d, w, acc);
+        break;
+    }
+    for (std::uint32_t r = 0; r < rows; ++r) {
+      const __m512 dot = _mm512_maskz_cvtepi32_ps(0xffff, _mm512_load_si512(acc + 16 * r));
+      const __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(t[r0 + r])),
+                                       _mm512_mul_ps(nv, _mm512_set1_ps(slack[r0 + r])));
+      _mm512_store_ps(res + 16 * r, _mm512_add_ps(v, bv));
+    }
+    for (std::uint32_t k = 0; k < count; ++k) {
+      float* o = out + std::size_t{k} * n + r0;
+      for (std::uint32_t r = 0; r < rows; ++r) {
+        o[r] = res[r * 16 + lane0 + k];
+      }
+    }
+  }
+}
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace detail
+
+//! @brief `minmax_summary`'s bounds (elementwise max and min of the keys, Quest) stored as int8
+//! codes with a power-of-two scale `s = 2^e` per (entry, KV head), the least with every
+//! `|bound| <= 127 s`: the maximum is rounded up (`ceil(max / s)`), the minimum down, so the
+//! codes still bound every key. Half the bytes of `minmax_summary<f16>` to scan.
+//!
+//! Scoring quantizes each query row to u8 magnitudes, `q_x ~ t u_x` with `t = max|q| / 255`, and
+//! takes the integer dot product of the (q+, |q-|) codes with the (max, -min) codes
+//! (`vpdpbusd` on AVX512_VNNI: 64 byte products per instruction, exact in int32). Rounding the
+//! query moves the score by at most `sum_x |q_x - t u_x| A_x <= ||q - t u||_2 ||A||_2`, with
+//! `A_x = s max(|max code|, |min code|)` the dequantized bound's magnitude; each entry keeps
+//! `||A||_2` (rounded up) and each row's `||q - t u||_2` is computed exactly, so
+//! `score = s t (integer dot) + ||q - t u||_2 ||A||_2` is still at least every key's dot
+//! product (up to f32 rounding, as for `minmax_summary`). It is looser than the exact bound by
+//! up to one code step per dimension and the query term: use it where the scan's time matters
+//! more than the last bit of ranking (see docs/predictors.md for the measured agreement).
+//!
+//! Power-of-two scales make an update exact to redo: growing the scale from `2^e` to `2^e'`
+//! turns each code into `ceil` (max) or `floor` (min) of `code / 2^(e' - e)`, which equals
+//! quantizing the exact bound at the new scale, so one-token appends and a bulk update give the
+//! same bits. A non-finite key makes its entry score `+inf`; an entry with no tokens, `-inf`.
+//!
+//! Models `block_summary`. Memory: `num_kv_heads * (2 * head_dim + 8) + 6` bytes per entry (codes,
+//! scale, norm; the empty/overflow bias and the token count); the capacity is rounded up to a
+//! multiple of 16. `score_isa::avx512` runs the VNNI kernel where the CPU has AVX512_VNNI; every
+//! other path runs the scalar one (same integers, same result up to f32 rounding). Concurrent
+//! `score` calls are safe.
+class quantized_minmax_summary {
+  static constexpr std::uint32_t lanes = detail::qminmax_lanes;
+  static constexpr int min_exponent = -126;
+
+ public:
+  quantized_minmax_summary(const kv_layout& layout, std::uint32_t capacity,
+                           score_isa isa = score_isa::best)
+      : layout_(layout), capacity_(capacity) {
+    layout_.validate();
+    if (capacity_ == 0) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "quantized_minmax_summary capacity is 0");
+    }
+    set_isa(isa);
+    tiles_ = (capacity_ + lanes - 1) / lanes;
+    tile_bytes_ = std::size_t{2} * layout_.head_dim * lanes;
+    const std::size_t slots = std::size_t{layout_.num_kv_heads} * tiles_ * lanes;
+    codes_.assign(std::size_t{layout_.num_kv_heads} * tiles_ * tile_bytes_, 0);
+    scale_.assign(slots, 0.0f);
+    norm_.assign(slots, 0.0f);
+    bias_.assign(std::size_t{tiles_} * lanes, -std::numeric_limits<float>::infinity());
+    tokens_.assign(capacity_, 0);
+  }
+
+  std::uint32_t capacity() const noexcept { return capacity_; }
+  const kv_layout& layout() const noexcept { return layout_; }
+  score_isa isa() const noexcept { return isa_; }
+  //! @brief Chooses the scoring path; `errc::unsupported` if it cannot run.
+  void set_isa(score_isa isa) {
+    isa_ = resolve_score_isa(isa);
+#if OASISKV_SCORE_X86
+    __builtin_cpu_init();
+    vnni_ = isa_ == score_isa::avx512 && __builtin_cpu_supports("avx512vnni");
+#endif
+  }
+
+  std::size_t bytes_per_block() const noexcept {
+    return std::size_t{layout_.num_kv_heads} * (std::size_t{2} * layout_.head_dim + 8) + 3;
+  }
+
+  std::uint32_t tokens(std::uint32_t b) const {
+    check_entry(b);
+    return tokens_[b];
+  }
+
+  void reset(std::uint32_t b) {
+    check_entry(b);
+    for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+      for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
+        code(h, b, 0, x) = 0;
+        code(h, b, 1, x) = 0;
+      }
+      scale_[slot(h, b)] = 0.0f;
+      norm_[slot(h, b)] = 0.0f;
+    }
+    tokens_[b] = 0;
+    bias_[b] = -std::numeric_limits<float>::infinity();
+  }
+
+  //! @brief Folds tokens `[first, first + count)` of the slot at `block` into entry `b`.
+  void update(std::uint32_t b, const std::byte* block, std::uint32_t first, std::uint32_t count) {
+    check_entry(b);
+    if (count == 0) {
+      return;
+    }
+    if (block == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "quantized_minmax_summary::update: block is null");
+    }
+    if (first >= layout_.tokens_per_block || count > layout_.tokens_per_block - first)
+        [[unlikely]] {
+      detail::raise(errc::out_of_range, "quantized_minmax_summary::update: tokens [", first, ", ",
+                    std::uint64_t{first} + count,
+                    ") exceed tokens_per_block = ", layout_.tokens_per_block);
+    }
+    const std::uint32_t d = layout_.head_dim;
+    thread_local std::vector<float> hi, lo;
+    hi.resize(d);
+    lo.resize(d);
+    bool overflow = bias_[b] == std::numeric_limits<float>::infinity();
+    visit_dtype(layout_.kv_dtype, [&](auto elem) {
+      using T = decltype(elem);
+      for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+        const T* keys = reinterpret_cast<const T*>(block + layout_.key_offset(h));
+        float mag = 0.0f;
+        std::fill(hi.begin(), hi.end(), -std::numeric_limits<float>::infinity());
+        std::fill(lo.begin(), lo.end(), std::numeric_limits<float>::infinity());
+        for (std::uint32_t t = first; t < first + count; ++t) {
+          for (std::uint32_t x = 0; x < d; ++x) {
+            const float v = to_float(keys[std::size_t{t} * d + x]);
+            if (std::isinf(v)) [[unlikely]] {
+              overflow = true;
+              continue;
+            }
+            hi[x] = v > hi[x] ? v : hi[x];
+            lo[x] = v < lo[x] ? v : lo[x];
+            mag = std::max(mag, std::abs(v));
+          }
+        }
+        fold(h, b, hi.data(), lo.data(), mag);
+      }
+    });
+    bias_[b] = overflow ? std::numeric_limits<float>::infinity() : 0.0f;
+    tokens_[b] = static_cast<std::uint16_t>(
+        std::min<std::uint32_t>(tokens_[b] + count, layout_.tokens_per_block));
+  }
+
+  //! @brief `out[i * n + r]` = the bound of query row `r` (of `q`, `[n][head_dim]`) over entry
+  //! `entries[i]` of KV head `h`.
+  void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+             std::uint32_t n, float* out) const {
+    if (h >= layout_.num_kv_heads) [[unlikely]] {
+      detail::raise(errc::out_of_range, "quantized_minmax_summary::score: kv head ", h,
+                    " >= num_kv_heads = ", layout_.num_kv_heads);
+    }
+    if (entries.empty() || n == 0) {
+      return;
+    }
+    if (q == nullptr || out == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument,
+                    "quantized_minmax_summary::score: null query or output");
+    }
+    const bool contiguous = detail::check_entry_ids(entries, capacity_, "quantized_minmax_summary");
+    const std::uint32_t d = layout_.head_dim, pairs = d / 2;
+    thread_local std::vector<std::uint32_t> qw;
+    thread_local std::vector<float> row;  // [t (n)][slack (n)]
+    qw.resize(std::size_t{n} * pairs);
+    row.resize(std::size_t{2} * n);
+    for (std::uint32_t r = 0; r < n; ++r) {
+      const float* qr = q + std::size_t{r} * d;
+      float m = 0.0f;
+      for (std::uint32_t x = 0; x < d; ++x) {
+        m = std::max(m, std::abs(qr[x]));
+      }
+      const float t = m / 255.0f;
+      const float inv = m > 0.0f ? 255.0f / m : 0.0f;
+      double err = 0.0;
+      for (std::uint32_t p = 0; p < pairs; ++p) {
+        std::uint32_t w = 0;
+        for (std::uint32_t k = 0; k < 2; ++k) {
+          const float v = qr[2 * p + k];
+          const auto u =
+              static_cast<std::uint32_t>(std::min(255.0f, std::nearbyint(std::abs(v) * inv)));
+          const double e = std::abs(double{v}) - double{t} * u;
+          err += e * e;
+          w |= (v > 0.0f ? u : u << 8) << (16 * k);
+        }
+        qw[std::size_t{r} * pairs + p] = w;
+      }
+      row[r] = t;
+      row[n + r] = round_up(std::sqrt(err) * (1.0 + 0x1p-40));
+    }
+    std::size_t i = 0;
+    while (i < entries.size()) {
+      const std::uint32_t b = entries[i], lane0 = b % lanes;
+      const std::uint32_t m = detail::tile_run(entries, i, contiguous, lanes);
+      const std::size_t tile = std::size_t{h} * tiles_ + b / lanes;
+      const std::int8_t* codes = codes_.data() + tile * tile_bytes_;
+      const float* sc = scale_.data() + tile * lanes;
+      const float* nm = norm_.data() + tile * lanes;
+      const float* bs = bias_.data() + std::size_t{b / lanes} * lanes;
+#if OASISKV_SCORE_X86
+      if (vnni_) {
+        detail::qminmax_run_vnni(codes, sc, nm, bs, d, lane0, m, qw.data(), row.data(),
+                                 row.data() + n, n, out + i * n);
+      } else
+#endif
+      {
+        detail::qminmax_run_scalar(codes, sc, nm, bs, d, lane0, m, qw.data(), row.data(),
+                                   row.data() + n, n, out + i * n);
+      }
+      i += m;
+    }
+  }
+
+ private:
+  static float round_up(double v) noexcept {
+    const float f = static_cast<float>(v);
+    return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity())
+                                      : f;
+  }
+
+  // Merges the new keys' exact bounds (`hi`, `lo`; largest finite magnitude `mag`) into entry
+  // b's codes for head h.
+  void fold(std::uint32_t h, std::uint32_t b, const float* hi, const float* lo, float mag) {
+    const std::uint32_t d = layout_.head_dim;
+    float& s = scale_[slot(h, b)];
+    const bool fresh = s == 0.0f;
+    const int old_e = fresh ? min_exponent : std::ilogb(s);
+    int e = old_e;
+    while (mag > 127.0f * std::ldexp(1.0f, e)) {
+      ++e;
+    }
+    if (!fresh && e > old_e) {  // rescale the old codes: exact, see the class comment
+      const int k = std::min(e - old_e, 31);
+      for (std::uint32_t x = 0; x < d; ++x) {
+        const std::int32_t c_hi = code(h, b, 0, x), c_lo = -code(h, b, 1, x);
+        code(h, b, 0, x) = static_cast<std::int8_t>(-((-c_hi) >> k));  // ceil(c / 2^k)
+        code(h, b, 1, x) = static_cast<std::int8_t>(-(c_lo >> k));     // -floor(c / 2^k)
+      }
+    }
+    s = std::ldexp(1.0f, e);
+    double sq = 0.0;
+    for (std::uint32_t x = 0; x < d; ++x) {
+      std::int32_t c_hi = fresh ? -127 : code(h, b, 0, x);
+      std::int32_t c_lo = fresh ? 127 : -code(h, b, 1, x);
+      if (hi[x] >= lo[x]) {  // some finite key: s is exact, so the quotients are too
+        c_hi = std::max(c_hi, static_cast<std::int32_t>(std::ceil(hi[x] / s)));
+        c_lo = std::min(c_lo, static_cast<std::int32_t>(std::floor(lo[x] / s)));
+      }
+      code(h, b, 0, x) = static_cast<std::int8_t>(c_hi);
+      code(h, b, 1, x) = static_cast<std::int8_t>(-c_lo);
+      const double a = std::ldexp(static_cast<double>(std::max(std::abs(c_hi), std::abs(c_lo))), e);
+      sq += a * a;
+    }
+    norm_[slot(h, b)] = round_up(std::sqrt(sq) * (1.0 + 0x1p-40));
+  }
+
+  std::int8_t& code(std::uint32_t h, std::uint32_t b, std::uint32_t which, std::uint32_t x) {
+    return codes_[(std::size_t{h} * tiles_ + b / lanes) * tile_bytes_ +
+                  detail::qminmax_at(x, which, b % lanes)];
+  }
+  std::size_t slot(std::uint32_t h, std::uint32_t b) const noexcept {
+    return std::size_t{h} * tiles_ * lanes + b;
+  }
+  void check_entry(std::uint32_t b) const {
+    if (b >= capacity_) [[unlikely]] {
+      detail::raise(errc::out_of_range, "quantized_minmax_summary: entry ", b,
+                    " >= capacity = ", capacity_);
+    }
+  }
+
+  kv_layout layout_;
+  std::uint32_t capacity_;
+  score_isa isa_ = score_isa::scalar;
+  bool vnni_ = false;
+  std::uint32_t tiles_ = 0;
+  std::size_t tile_bytes_ = 0;
+  std::vector<std::int8_t> codes_;     // [kv heads][tiles][d / 2][16][4], see qminmax_at
+  std::vector<float> scale_, norm_;    // [kv heads][tiles * 16]: 2^e, ||A||_2 rounded up
+  std::vector<float> bias_;            // [tiles * 16]: 0; -inf empty; +inf a non-finite key
+  std::vector<std::uint16_t> tokens_;  // [capacity]
+};
+
+}  // namespace oasiskv
