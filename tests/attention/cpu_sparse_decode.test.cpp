@@ -3,6 +3,7 @@
 // input, and the thread pool it runs on.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -162,6 +163,83 @@ TEST_CASE("sparse_decode is causal across blocks smaller than the query window")
         CAPTURE(q_len);
         CAPTURE(to_string(k.isa()));
         check_close(run(k, c), want, tolerance(dtype::f16));
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("sparse_decode covers every row tiling and key-tile shape", T, float, f16,
+                   bf16) {
+  // Rows (q_len x group) of 1-9, 12, 16 and 48 make every tile of up to 4 rows and mixes of
+  // query tokens within a tile; blocks of 1, 5, 16, 20 and 32 tokens make partial, whole, whole
+  // then partial, and two whole 16-key steps per block; lengths leave a partial last block.
+  const dtype t = dtype_of<T>;
+  const std::uint32_t shapes[][2] = {{1, 1}, {2, 1}, {3, 1}, {4, 1},  {5, 1}, {3, 2},
+                                     {8, 1}, {3, 3}, {4, 3}, {1, 16}, {3, 16}};
+  std::uint32_t seed = 100;
+  for (std::uint32_t d : {64u, 128u}) {
+    for (std::uint32_t tpb : {1u, 5u, 16u, 20u, 32u}) {
+      for (const auto& sh : shapes) {
+        const std::uint32_t ratio = sh[0];
+        const std::uint32_t q_len = sh[1];
+        const bool per_head = seed % 2 == 0;
+        const kv_layout l = make_layout(t, d, 3, ratio, tpb);
+        decode_case c = make_decode_case(l, {tpb * 3 + 2 + q_len, q_len + 1}, q_len, per_head,
+                                         pick::random_subset, seed++);
+        const result want = run_reference(c);
+        for (const cpu::sparse_decode& k : every_kernel().all) {
+          CAPTURE(to_string(t));
+          CAPTURE(d);
+          CAPTURE(tpb);
+          CAPTURE(ratio);
+          CAPTURE(q_len);
+          CAPTURE(to_string(k.isa()));
+          CAPTURE(k.threads());
+          check_close(run(k, c), want, tolerance(t));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the online softmax stays exact when scores jump between blocks") {
+  // Keys of block b are scaled by b + 1, so with a large scale each block's scores exceed the
+  // previous block's by far more than the kernels' rescale slack; tables list the blocks in
+  // rising, falling and shuffled order, so the running max is raised on every block, only on the
+  // first, or anywhere in between.
+  for (std::uint32_t d : {64u, 128u}) {
+    for (float scale_mul : {4.0f, 40.0f}) {
+      for (int order = 0; order < 3; ++order) {
+        const kv_layout l = make_layout(dtype::f32, d, 2, 3);
+        decode_case c = make_decode_case(l, {16 * 12 + 3}, 2, false, pick::all, 7 + order);
+        c.scale *= scale_mul;
+        const block_pool_view v = c.pool.view();
+        for (const block_ref& r : c.refs) {
+          auto* k = reinterpret_cast<float*>(v.slot(r.slot));  // keys of both heads come first
+          for (std::size_t i = 0; i < std::size_t{l.num_kv_heads} * 16 * d; ++i) {
+            k[i] *= static_cast<float>(r.index + 1);
+          }
+        }
+        std::sort(c.refs.begin(), c.refs.end(), [&](const block_ref& a, const block_ref& b) {
+          return order == 0 ? a.index < b.index : a.index > b.index;
+        });
+        if (order == 2) {
+          std::swap(c.refs[3], c.refs[9]);
+          std::swap(c.refs[0], c.refs[6]);
+        }
+        const result want = run_reference(c);
+        for (const cpu::sparse_decode& k : every_kernel().all) {
+          CAPTURE(d);
+          CAPTURE(scale_mul);
+          CAPTURE(order);
+          CAPTURE(to_string(k.isa()));
+          CAPTURE(k.threads());
+          const result got = run(k, c);
+          for (float x : got.out) {
+            REQUIRE(std::isfinite(x));
+          }
+          check_close(got, want, 1e-4);
+        }
       }
     }
   }

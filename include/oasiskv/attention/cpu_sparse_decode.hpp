@@ -14,6 +14,7 @@
 #include "oasiskv/attention/cpu/block_avx512.hpp"
 #include "oasiskv/attention/cpu/block_scalar.hpp"
 #include "oasiskv/attention/cpu/isa.hpp"
+#include "oasiskv/attention/cpu/range.hpp"
 #include "oasiskv/attention/cpu/row_state.hpp"
 #include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/attention/validate.hpp"
@@ -71,8 +72,8 @@ class sparse_decode {
   void decode(const decode_params& p) const {
     validate(p);
     const kv_layout& l = p.pool.layout;
-    const impl::block_fn fn = select(isa_, l.kv_dtype, l.head_dim);
-    visit_dtype(l.kv_dtype, [&](auto elem) { run<decltype(elem)>(p, fn); });
+    const impl::range_fn fn = select(isa_, l.kv_dtype, l.head_dim);
+    run(p, fn);
   }
 
  private:
@@ -91,31 +92,30 @@ class sparse_decode {
     std::uint32_t seq, head, heads, first_part, count;
   };
 
-  static impl::block_fn select(cpu_isa isa, dtype t, std::uint32_t d) {
-    return visit_dtype(t, [&](auto elem) -> impl::block_fn {
+  static impl::range_fn select(cpu_isa isa, dtype t, std::uint32_t d) {
+    return visit_dtype(t, [&](auto elem) -> impl::range_fn {
       using T = decltype(elem);
 #if OASISKV_X86_KERNELS
       if (isa == cpu_isa::avx512 && d == 64) {
-        return &impl::avx512::block<T, 64>;
+        return &impl::avx512::range<T, 64>;
       }
       if (isa == cpu_isa::avx512 && d == 128) {
-        return &impl::avx512::block<T, 128>;
+        return &impl::avx512::range<T, 128>;
       }
       if (isa == cpu_isa::avx512 || isa == cpu_isa::avx2) {
-        return d == 64    ? &impl::avx2::block<T, 64>
-               : d == 128 ? &impl::avx2::block<T, 128>
-                          : &impl::avx2::block<T, 0>;
+        return d == 64    ? &impl::range_blocks<T, &impl::avx2::block<T, 64>>
+               : d == 128 ? &impl::range_blocks<T, &impl::avx2::block<T, 128>>
+                          : &impl::range_blocks<T, &impl::avx2::block<T, 0>>;
       }
 #endif
       (void)isa;
-      return d == 64    ? &impl::block_scalar<T, 64>
-             : d == 128 ? &impl::block_scalar<T, 128>
-                        : &impl::block_scalar<T, 0>;
+      return d == 64    ? &impl::range_blocks<T, &impl::block_scalar<T, 64>>
+             : d == 128 ? &impl::range_blocks<T, &impl::block_scalar<T, 128>>
+                        : &impl::range_blocks<T, &impl::block_scalar<T, 0>>;
     });
   }
 
-  template <class T>
-  void run(const decode_params& p, impl::block_fn fn) const {
+  void run(const decode_params& p, impl::range_fn fn) const {
     const kv_layout& l = p.pool.layout;
     const std::uint32_t rows = p.q_len * l.group_size();
     const std::uint32_t d = l.head_dim;
@@ -164,7 +164,7 @@ class sparse_decode {
     std::vector<float> part_lse(parts * part_rows);
 
     auto task = [&](std::size_t i) {
-      run_item<T>(p, fn, items[i], part_out.data(), part_lse.data());
+      run_item(p, fn, items[i], part_out.data(), part_lse.data());
     };
     if (pool_ != nullptr) {
       pool_->parallel_for(items.size(), task);
@@ -191,23 +191,22 @@ class sparse_decode {
     }
   }
 
-  template <class T>
-  static void run_item(const decode_params& p, impl::block_fn fn, const work_item& w,
+  static void run_item(const decode_params& p, impl::range_fn fn, const work_item& w,
                        float* part_out, float* part_lse) {
     const kv_layout& l = p.pool.layout;
     const std::uint32_t g = l.group_size();
     const std::uint32_t rows = p.q_len * g;
     const std::uint32_t d = l.head_dim;
     const std::uint32_t tpb = l.tokens_per_block;
-    const std::uint32_t len = p.seq_lens[w.seq];
     const std::uint32_t s_stride = (tpb + 15) / 16 * 16;
 
     // One row_state per KV head of the item, carved from one zeroed, aligned allocation.
     const std::size_t rd = std::size_t{rows} * d;
-    const std::size_t per_head = 2 * rd + std::size_t{rows} * s_stride + 3 * std::size_t{rows};
+    // Rounded up to 16 floats so that each head's arrays start on a cache line.
+    const std::size_t per_head =
+        (2 * rd + std::size_t{rows} * (s_stride + 16) + 3 * std::size_t{rows} + 15) / 16 * 16;
     impl::aligned_floats scratch(per_head * w.heads);
     std::vector<impl::row_state> states(w.heads);
-    std::vector<std::uint32_t> vis(rows);
     const float qscale = p.scale * impl::log2e;  // scores come out in log2 units
     for (std::uint32_t hi = 0; hi < w.heads; ++hi) {
       impl::row_state& st = states[hi];
@@ -217,10 +216,10 @@ class sparse_decode {
       st.q = scratch.data() + hi * per_head;
       st.acc = st.q + rd;
       st.s = st.acc + rd;
-      st.m = st.s + std::size_t{rows} * s_stride;
+      st.lv = st.s + std::size_t{rows} * s_stride;
+      st.m = st.lv + std::size_t{rows} * 16;
       st.l = st.m + rows;
       st.alpha = st.l + rows;
-      st.vis = vis.data();
       for (std::uint32_t r = 0; r < rows; ++r) {
         const float* q = p.q + p.q_row(w.seq, r / g, (w.head + hi) * g + r % g);
         for (std::uint32_t x = 0; x < d; ++x) {
@@ -230,44 +229,18 @@ class sparse_decode {
       }
     }
 
-    const block_ref* refs = p.table.begin(p.table.table_index(w.seq, w.head));
-    const std::uint32_t first_pos = len - p.q_len;  // position of query token 0
-    for (std::uint32_t i = w.begin; i < w.end; ++i) {
-      const block_ref ref = refs[i];
-      const std::uint32_t fill = block_fill(l, ref.index, len);
-      const std::uint64_t start = std::uint64_t{ref.index} * tpb;
-      // Causal among the new tokens: query j sees block tokens up to its own position.
-      for (std::uint32_t j = 0; j < p.q_len; ++j) {
-        const std::uint64_t pos = first_pos + j;
-        const std::uint32_t v =
-            pos < start
-                ? 0u
-                : static_cast<std::uint32_t>(std::min<std::uint64_t>(fill, pos - start + 1));
-        std::fill_n(vis.data() + std::size_t{j} * g, g, v);
-      }
-      const std::uint32_t vmax = vis[rows - 1];  // the last query token sees the most
-      if (vmax == 0) {
-        continue;
-      }
-      for (std::uint32_t hi = 0; hi < w.heads; ++hi) {
-        const std::uint32_t h = w.head + hi;
-        impl::block_span b{p.pool.keys<T>(ref.slot, h),
-                           p.pool.values<T>(ref.slot, h),
-                           nullptr,
-                           nullptr,
-                           fill,
-                           vmax};
-        // Prefetch what comes next: this slot's next head, else the next block's first head.
-        if (hi + 1 < w.heads) {
-          b.next_k = p.pool.keys<T>(ref.slot, h + 1);
-          b.next_v = p.pool.values<T>(ref.slot, h + 1);
-        } else if (i + 1 < w.end) {
-          b.next_k = p.pool.keys<T>(refs[i + 1].slot, w.head);
-          b.next_v = p.pool.values<T>(refs[i + 1].slot, w.head);
-        }
-        fn(states[hi], b);
-      }
-    }
+    impl::item_span span;
+    span.states = states.data();
+    span.pool = p.pool;
+    span.refs = p.table.begin(p.table.table_index(w.seq, w.head));
+    span.begin = w.begin;
+    span.end = w.end;
+    span.head = w.head;
+    span.heads = w.heads;
+    span.len = p.seq_lens[w.seq];
+    span.q_len = p.q_len;
+    span.group = g;
+    fn(span);
 
     for (std::uint32_t hi = 0; hi < w.heads; ++hi) {
       const std::uint32_t h = w.head + hi;

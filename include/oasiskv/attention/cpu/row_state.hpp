@@ -33,6 +33,7 @@ struct row_state {
   float* l = nullptr;                  // [rows] running softmax denominator relative to m
   float* s = nullptr;                  // [rows][s_stride] scores, then probabilities, of a block
   float* alpha = nullptr;              // [rows] rescale of acc by this block's new max
+  float* lv = nullptr;                 // [rows][16] per-lane parts of l (AVX-512 path; zeroed)
   const std::uint32_t* vis = nullptr;  // [rows] tokens of the current block that row r sees
 };
 
