@@ -1,0 +1,493 @@
+//! @file
+//! @brief `ucx_engine`: reads blocks of a remote (exporter) tier into a local host tier with UCX
+//! gets, many in flight, progressed by its own thread; every batch has a deadline.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/concepts/transfer_engine.hpp"
+#include "oasiskv/disagg/ucx_common.hpp"
+#include "oasiskv/disagg/ucx_peer.hpp"
+
+namespace oasiskv::disagg {
+
+struct ucx_engine_options {
+  //! A batch not finished by then fails, and its exporter's endpoint is force-closed: UCX does
+  //! not detect a stopped (SIGSTOP) or blackholed peer by itself (docs/disagg.md).
+  std::chrono::milliseconds deadline{1000};
+  std::uint32_t max_in_flight = 128;  //!< gets outstanding at once, across exporters
+};
+
+//! @brief Models `transfer_engine<ucx_engine, ucx_remote_tier, host_tier>`. Thread-safe.
+class ucx_engine {
+ public:
+  struct ticket {
+    std::uint64_t id = 0;
+    friend constexpr bool operator==(const ticket&, const ticket&) = default;
+  };
+  struct statistics {
+    std::uint64_t batches = 0, gets = 0, bytes = 0, failed_batches = 0;
+    std::uint64_t generation_mismatches = 0, forced_closes = 0;
+  };
+
+  explicit ucx_engine(ucx_engine_options options = {})
+      : options_(options), worker_(context_), thread_([this] { run(); }) {}
+  ucx_engine(const ucx_engine&) = delete;
+  ucx_engine& operator=(const ucx_engine&) = delete;
+  ~ucx_engine() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    thread_.join();
+    for (auto& p : peers_) {  // quiesce: force-close whatever is left, bounded
+      if (p->st == ucx_peer::state::ready) {
+        start_close(*p, "engine destroyed");
+      }
+    }
+    const auto until = steady_clock::now() + std::chrono::seconds(5);
+    while (std::any_of(peers_.begin(), peers_.end(),
+                       [](const auto& p) { return p->st == ucx_peer::state::closing; }) &&
+           steady_clock::now() < until) {
+      ucp_worker_progress(worker_.get());
+      poll_closes();
+    }
+  }
+
+  const ucx_engine_options& options() const noexcept { return options_; }
+  ucp_worker_h worker() const noexcept { return worker_.get(); }
+
+  //! @brief Creates the endpoint to an exporter's worker and unpacks its rkeys.
+  ucx_peer* connect(std::string name, std::span<const std::byte> worker_address,
+                    std::span<const std::byte> arena_rkey, std::span<const std::byte> gen_rkey) {
+    auto p = std::make_unique<ucx_peer>();
+    p->name = std::move(name);
+    std::lock_guard lock(mutex_);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(worker_address.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t s) {
+      auto* peer = static_cast<ucx_peer*>(arg);
+      peer->pending_error = std::string("UCX reported a failure: ") + ucs_status_string(s);
+    };
+    ep.err_handler.arg = p.get();
+    detail::ucx_check(ucp_ep_create(worker_.get(), &ep, &p->ep), "ucp_ep_create");
+    if (ucs_status_t s = ucp_ep_rkey_unpack(p->ep, arena_rkey.data(), &p->arena_rkey);
+        s != UCS_OK) {
+      start_close(*p, "bad rkey");
+      peers_.push_back(std::move(p));
+      detail::ucx_check(s, "ucp_ep_rkey_unpack (arena)");
+    }
+    if (ucs_status_t s = ucp_ep_rkey_unpack(p->ep, gen_rkey.data(), &p->gen_rkey); s != UCS_OK) {
+      start_close(*p, "bad rkey");
+      peers_.push_back(std::move(p));
+      detail::ucx_check(s, "ucp_ep_rkey_unpack (generations)");
+    }
+    // Finish the wireup now (a flush needs it): an endpoint whose wireup is still pending when
+    // its peer dies trips an assertion in UCX 1.13's tcp pending purge.
+    ucp_request_param_t fp{};
+    void* f = ucp_ep_flush_nbx(p->ep, &fp);
+    const auto until = steady_clock::now() + std::chrono::seconds(2);
+    while (f != nullptr && !UCS_PTR_IS_ERR(f) && ucp_request_check_status(f) == UCS_INPROGRESS &&
+           steady_clock::now() < until) {
+      ucp_worker_progress(worker_.get());
+    }
+    const bool ok = f == nullptr || (!UCS_PTR_IS_ERR(f) && ucp_request_check_status(f) == UCS_OK);
+    if (f != nullptr && !UCS_PTR_IS_ERR(f)) {
+      if (ucp_request_check_status(f) == UCS_INPROGRESS) {
+        start_close(*p, "wireup timed out");  // completes the flush request (canceled)
+        while (ucp_request_check_status(f) == UCS_INPROGRESS) {
+          ucp_worker_progress(worker_.get());
+        }
+      }
+      ucp_request_free(f);
+    }
+    ucx_peer* raw = p.get();
+    peers_.push_back(std::move(p));
+    if (!ok) [[unlikely]] {
+      start_close(*raw, "wireup failed");
+      oasiskv::detail::raise(errc::transfer_failed, "ucx_engine: cannot reach exporter ", raw->name,
+                             " (UCX wireup did not complete within 2 s)");
+    }
+    return raw;
+  }
+
+  //! @brief Why `p` is no longer usable, or empty while it is.
+  std::string peer_failure(const ucx_peer* p) const {
+    std::lock_guard lock(mutex_);
+    return p->st == ucx_peer::state::ready ? std::string{} : p->failure;
+  }
+
+  //! @brief Reads slots of `src` into slots of `dst`; validated whole before anything moves.
+  template <remote_block_source Src, host_accessible_tier Dst>
+  ticket submit(const Src& src, Dst& dst, std::span<const block_copy> copies,
+                std::chrono::milliseconds deadline = {}) {
+    if (!(src.layout() == dst.layout())) [[unlikely]] {
+      oasiskv::detail::raise(errc::layout_mismatch, "ucx_engine::submit: layouts differ");
+    }
+    auto b = make_batch(src, deadline);
+    std::set<slot_id> dsts;
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+      const block_copy c = copies[i];
+      if (c.dst >= dst.num_slots() || !dsts.insert(c.dst).second) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_slot, "ucx_engine::submit: copy ", i, " writes slot ",
+                               c.dst, ", outside the destination's ", dst.num_slots(),
+                               " slots or twice");
+      }
+      add_op(*b, src, c.src, dst.slot_data(c.dst), i);
+      b->dst_slots.push_back({&dst, c.dst});
+    }
+    return enqueue(std::move(b));
+  }
+
+  //! @brief Reads slots of `src` into caller buffers of `block_bytes()` each (block I/O).
+  template <remote_block_source Src>
+  ticket submit_reads(const Src& src, std::span<const block_read> reads,
+                      std::chrono::milliseconds deadline = {}) {
+    auto b = make_batch(src, deadline);
+    for (std::size_t i = 0; i < reads.size(); ++i) {
+      if (reads[i].out == nullptr) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument, "ucx_engine: read ", i, " has no buffer");
+      }
+      add_op(*b, src, reads[i].slot, reads[i].out, i);
+    }
+    return enqueue(std::move(b));
+  }
+
+  bool test(const ticket& t) const {
+    std::lock_guard lock(mutex_);
+    check_issued(t);
+    return !active_.contains(t.id);
+  }
+
+  //! @brief Blocks until batch `t` has finished; rethrows its failure (`errc::transfer_failed`,
+  //! naming the exporter and the cause) once.
+  void wait(const ticket& t) {
+    std::unique_lock lock(mutex_);
+    check_issued(t);
+    done_cv_.wait(lock, [&] { return !active_.contains(t.id); });
+    if (auto it = failures_.find(t.id); it != failures_.end()) {
+      std::string m = std::move(it->second);
+      failures_.erase(it);
+      throw error(errc::transfer_failed, m);
+    }
+  }
+
+  statistics stats() const {
+    std::lock_guard lock(mutex_);
+    return stats_;
+  }
+
+ private:
+  using steady_clock = std::chrono::steady_clock;
+  struct op {
+    std::uint64_t remote;
+    std::byte* local;
+    std::size_t bytes;
+  };
+  struct dst_key {
+    const void* tier;
+    slot_id slot;
+    auto operator<=>(const dst_key&) const = default;
+  };
+  struct batch {
+    std::uint64_t id = 0;
+    ucx_peer* peer = nullptr;
+    std::vector<op> ops;
+    std::vector<std::uint64_t> gen_addr, gen_expected, gen_read;
+    std::vector<slot_id> gen_slots;
+    std::vector<dst_key> dst_slots;
+    std::size_t next = 0;         // next op (data, then generation words) to post
+    std::size_t outstanding = 0;  // posted, callback not yet run
+    bool gen_phase = false;
+    ucs_status_t status = UCS_OK;
+    std::string failure;  // set once the batch is doomed
+    steady_clock::time_point deadline;
+    std::chrono::milliseconds budget{};
+  };
+
+  template <class Src>
+  std::unique_ptr<batch> make_batch(const Src& src, std::chrono::milliseconds deadline) {
+    auto b = std::make_unique<batch>();
+    b->peer = src.peer();
+    b->budget = deadline.count() > 0 ? deadline : options_.deadline;
+    return b;
+  }
+
+  template <class Src>
+  void add_op(batch& b, const Src& src, slot_id s, std::byte* out, std::size_t i) {
+    if (s >= src.num_slots() || src.expected_generation(s) == 0) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_slot, "ucx_engine: read ", i, " of remote slot ", s,
+                             " which no opened request of exporter ", src.peer()->name, " holds");
+    }
+    b.ops.push_back({src.remote_address(s), out, src.layout().block_bytes()});
+    b.gen_addr.push_back(src.generation_address(s));
+    b.gen_expected.push_back(src.expected_generation(s));
+    b.gen_slots.push_back(s);
+  }
+
+  ticket enqueue(std::unique_ptr<batch> b) {
+    std::unique_lock lock(mutex_);
+    if (b->peer->st != ucx_peer::state::ready) [[unlikely]] {
+      oasiskv::detail::raise(errc::transfer_failed, "ucx_engine: exporter ", b->peer->name,
+                             " is unusable: ", b->peer->failure);
+    }
+    for (const dst_key& k : b->dst_slots) {
+      if (quarantined_.contains(k)) [[unlikely]] {
+        oasiskv::detail::raise(errc::slot_in_flight, "ucx_engine: destination slot ", k.slot,
+                               " is written by an unfinished batch");
+      }
+    }
+    for (const dst_key& k : b->dst_slots) {
+      quarantined_.insert(k);
+    }
+    b->id = ++issued_;
+    b->deadline = steady_clock::now() + b->budget;
+    b->gen_read.assign(b->gen_addr.size(), 0);
+    const ticket t{b->id};
+    active_.emplace(b->id, std::move(b));
+    lock.unlock();
+    work_cv_.notify_one();
+    return t;
+  }
+
+  void check_issued(const ticket& t) const {
+    if (t.id == 0 || t.id > issued_) [[unlikely]] {
+      oasiskv::detail::raise(errc::unknown_ticket, "ucx_engine: ticket ", t.id,
+                             " was never issued");
+    }
+  }
+
+  static void on_get(void* request, ucs_status_t status, void* user) {
+    auto* b = static_cast<batch*>(user);
+    --b->outstanding;
+    if (status != UCS_OK && b->status == UCS_OK) {
+      b->status = status;
+    }
+    ucp_request_free(request);
+  }
+
+  // Lock held. Posts the batch's next gets, up to the engine's window.
+  void post(batch& b, std::size_t& in_flight) {
+    const std::size_t total = b.gen_phase ? b.gen_addr.size() : b.ops.size();
+    while (b.next < total && in_flight < options_.max_in_flight) {
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      p.cb.send = &ucx_engine::on_get;
+      p.user_data = &b;
+      ucs_status_ptr_t r;
+      if (b.gen_phase) {
+        r = ucp_get_nbx(b.peer->ep, &b.gen_read[b.next], 8, b.gen_addr[b.next], b.peer->gen_rkey,
+                        &p);
+      } else {
+        const op& o = b.ops[b.next];
+        r = ucp_get_nbx(b.peer->ep, o.local, o.bytes, o.remote, b.peer->arena_rkey, &p);
+        ++stats_.gets;
+      }
+      ++b.next;
+      if (UCS_PTR_IS_ERR(r)) {
+        b.status = UCS_PTR_STATUS(r);
+        return;
+      }
+      if (r != nullptr) {
+        ++b.outstanding;
+        ++in_flight;
+      }
+    }
+  }
+
+  // Lock held. Force-closes the endpoint: the only way to abort gets in UCX 1.13.
+  void start_close(ucx_peer& p, std::string why) {
+    if (p.st != ucx_peer::state::ready) {
+      return;
+    }
+    p.failure = std::move(why);
+    p.st = ucx_peer::state::closing;
+    ++stats_.forced_closes;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(p.ep, &prm);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      finish_close(p);
+    } else {
+      p.close_request = r;
+    }
+  }
+  void finish_close(ucx_peer& p) {
+    if (p.arena_rkey != nullptr) {
+      ucp_rkey_destroy(p.arena_rkey);
+    }
+    if (p.gen_rkey != nullptr) {
+      ucp_rkey_destroy(p.gen_rkey);
+    }
+    p.arena_rkey = p.gen_rkey = nullptr;
+    p.ep = nullptr;
+    p.st = ucx_peer::state::dead;
+  }
+  void poll_closes() {
+    for (auto& p : peers_) {
+      if (p->st == ucx_peer::state::closing &&
+          ucp_request_check_status(p->close_request) != UCS_INPROGRESS) {
+        ucp_request_free(p->close_request);
+        p->close_request = nullptr;
+        finish_close(*p);
+      }
+    }
+  }
+
+  // Lock held. Advances every batch; returns whether any is waiting on the network.
+  bool step() {
+    const auto now = steady_clock::now();
+    std::size_t in_flight = 0;
+    for (auto& [id, b] : active_) {
+      in_flight += b->outstanding;
+    }
+    for (auto& p : peers_) {
+      if (!p->pending_error.empty() && p->st == ucx_peer::state::ready) {
+        start_close(*p, std::exchange(p->pending_error, {}));
+      }
+    }
+    std::vector<std::uint64_t> finished;
+    for (auto& [id, bp] : active_) {
+      batch& b = *bp;
+      ucx_peer& p = *b.peer;
+      if (b.failure.empty()) {
+        if (p.st != ucx_peer::state::ready) {
+          b.failure = "exporter " + p.name + " failed: " + p.failure;
+        } else if (now > b.deadline) {
+          b.failure = "exporter " + p.name + ": batch of " + std::to_string(b.ops.size()) +
+                      " blocks missed its deadline of " + std::to_string(b.budget.count()) +
+                      " ms; endpoint force-closed";
+          start_close(p, "deadline of " + std::to_string(b.budget.count()) + " ms exceeded");
+        } else if (b.status != UCS_OK && b.outstanding == 0) {
+          b.failure = "exporter " + p.name + ": get failed: " + ucs_status_string(b.status);
+          start_close(p, b.failure);
+        }
+      }
+      if (!b.failure.empty()) {
+        // Quarantine: the destination slots stay reserved until no get can still land.
+        // A dead endpoint whose requests never report back is given up on after a grace period.
+        const bool stuck =
+            p.st == ucx_peer::state::dead && now > b.deadline + std::chrono::seconds(2);
+        if ((b.outstanding == 0 && p.st != ucx_peer::state::closing) || stuck) {
+          finished.push_back(id);
+        }
+        continue;
+      }
+      post(b, in_flight);
+      const std::size_t total = b.gen_phase ? b.gen_addr.size() : b.ops.size();
+      if (b.next == total && b.outstanding == 0 && b.status == UCS_OK) {
+        if (!b.gen_phase) {
+          // Data landed; now read each block's generation again. Issued after the data, so a
+          // slot freed (generation bumped) before its bytes could change is always seen.
+          b.gen_phase = true;
+          b.next = 0;
+          post(b, in_flight);
+        } else {
+          check_generations(b);
+          finished.push_back(id);
+        }
+      }
+    }
+    for (std::uint64_t id : finished) {
+      finish(id);
+    }
+    return in_flight > 0;
+  }
+
+  void check_generations(batch& b) {
+    for (std::size_t i = 0; i < b.gen_read.size(); ++i) {
+      if (b.gen_read[i] != b.gen_expected[i]) {
+        ++stats_.generation_mismatches;
+        b.failure = "exporter " + b.peer->name + ": remote slot " + std::to_string(b.gen_slots[i]) +
+                    " has generation " + std::to_string(b.gen_read[i]) + ", expected " +
+                    std::to_string(b.gen_expected[i]) +
+                    ": the exporter freed the block, its bytes are stale";
+        return;
+      }
+    }
+  }
+
+  void finish(std::uint64_t id) {
+    auto node = active_.extract(id);
+    batch& b = *node.mapped();
+    const std::uint64_t bytes = b.ops.empty() ? 0 : b.ops.size() * b.ops[0].bytes;
+    for (const dst_key& k : b.dst_slots) {
+      quarantined_.erase(k);
+    }
+    ++stats_.batches;
+    const std::string failure = b.failure;
+    const bool ok = failure.empty();
+    if (b.outstanding != 0) {
+      zombies_.push_back(std::move(node.mapped()));  // late callbacks still point at it
+    }
+    if (ok) {
+      stats_.bytes += bytes;
+    } else {
+      ++stats_.failed_batches;
+      failures_.emplace(id, "ucx_engine: batch " + std::to_string(id) + ": " + failure);
+    }
+    done_cv_.notify_all();
+  }
+
+  void run() {
+    std::unique_lock lock(mutex_);
+    while (!stop_) {
+      bool busy = step();
+      for (int i = 0; i < 64 && ucp_worker_progress(worker_.get()) != 0; ++i) {
+        busy = true;
+      }
+      poll_closes();
+      busy = step() || busy;
+      const bool closing = std::any_of(peers_.begin(), peers_.end(), [](const auto& p) {
+        return p->st == ucx_peer::state::closing;
+      });
+      if (busy || closing || !active_.empty()) {
+        lock.unlock();
+        std::this_thread::yield();
+        lock.lock();
+      } else {
+        // Idle: nap, but still progress often enough for UCX keepalive and error detection.
+        work_cv_.wait_for(lock, std::chrono::milliseconds(1));
+      }
+    }
+  }
+
+  ucx_engine_options options_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::vector<std::unique_ptr<ucx_peer>> peers_;
+  std::map<std::uint64_t, std::unique_ptr<batch>> active_;
+  std::map<std::uint64_t, std::string> failures_;
+  std::set<dst_key> quarantined_;
+  std::vector<std::unique_ptr<batch>> zombies_;
+  std::uint64_t issued_ = 0;
+  statistics stats_{};
+  bool stop_ = false;
+  // After every object a UCX callback can touch (peers, batches): destroying the worker purges
+  // the requests still queued and runs their callbacks, which must find their batches alive.
+  ucx_context context_;
+  ucx_worker worker_;
+  std::thread thread_;  // last: starts once every member it uses exists
+};
+
+}  // namespace oasiskv::disagg

@@ -1,0 +1,201 @@
+//! @file
+//! @brief `ucx_remote_tier`: the decode side's view of one exporter's KV arena. Its slots are
+//! the exporter's slots; `ucx_engine` reads them with UCX gets.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/disagg/protocol.hpp"
+#include "oasiskv/disagg/socket.hpp"
+#include "oasiskv/disagg/ucx_engine.hpp"
+
+namespace oasiskv::disagg {
+
+struct remote_tier_options {
+  std::string address = "127.0.0.1";
+  std::uint16_t port = 0;
+  std::array<std::byte, token_bytes> token{};
+  std::string client = "decode";
+  std::chrono::milliseconds io_timeout{2000};
+  bool heartbeat = true;  //!< a thread extends this session's leases every lease / 3
+};
+
+//! @brief Models `batched_block_io_tier` (reads only: decode-side appends go to a local tier)
+//! and `remote_block_source`. A slot may be read only while a request opened through this tier
+//! holds it: its expected generation is then known and re-checked after every read.
+class ucx_remote_tier {
+ public:
+  static constexpr memory_kind memory = memory_kind::remote;
+
+  ucx_remote_tier(ucx_engine& engine, remote_tier_options options)
+      : engine_(&engine), options_(std::move(options)) {
+    name_ = options_.address + ":" + std::to_string(options_.port);
+    fd_ = connect_tcp(options_.address, options_.port, options_.io_timeout);
+    hello_msg h{options_.token, options_.client};
+    session_ = std::get<hello_ack_msg>(call(h, msg_type::hello_ack));
+    expected_.assign(session_.num_slots, 0);
+    peer_ = engine.connect(name_, session_.worker_address, session_.arena.rkey,
+                           session_.generations.rkey);
+    if (options_.heartbeat) {
+      heartbeat_thread_ = std::thread([this] { heartbeat_loop(); });
+    }
+  }
+  ucx_remote_tier(const ucx_remote_tier&) = delete;
+  ucx_remote_tier& operator=(const ucx_remote_tier&) = delete;
+  ~ucx_remote_tier() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    stop_cv_.notify_all();
+    if (heartbeat_thread_.joinable()) {
+      heartbeat_thread_.join();
+    }
+  }
+
+  const kv_layout& layout() const noexcept { return session_.layout; }
+  std::uint32_t num_slots() const noexcept { return session_.num_slots; }
+  std::size_t slot_bytes() const noexcept { return static_cast<std::size_t>(session_.slot_bytes); }
+  const std::string& name() const noexcept { return name_; }
+  const hello_ack_msg& session() const noexcept { return session_; }
+  ucx_engine& engine() const noexcept { return *engine_; }
+
+  //! @brief Leases request `seq` and returns its validated block table (and summaries).
+  opened_msg open(std::uint64_t seq, bool summaries = true) {
+    std::lock_guard lock(call_mutex_);
+    opened_msg o = std::get<opened_msg>(
+        call(open_msg{seq, static_cast<std::uint8_t>(summaries ? 1 : 0)}, msg_type::opened));
+    validate_opened(o, session_, seq, summaries);
+    std::lock_guard g(mutex_);
+    for (const block_entry& b : o.blocks) {
+      expected_[b.slot] = b.generation;
+    }
+    opened_[seq] = o.blocks;
+    return o;
+  }
+
+  //! @brief Ends the lease of `seq`: the exporter frees its blocks.
+  void release(std::uint64_t seq) {
+    std::lock_guard lock(call_mutex_);
+    {
+      std::lock_guard g(mutex_);
+      auto it = opened_.find(seq);
+      if (it == opened_.end()) [[unlikely]] {
+        oasiskv::detail::raise(errc::unknown_sequence, "ucx_remote_tier ", name_,
+                               ": release of request ", seq, " which was not opened here");
+      }
+      for (const block_entry& b : it->second) {
+        expected_[b.slot] = 0;
+      }
+      opened_.erase(it);
+    }
+    call(release_msg{seq}, msg_type::released);
+  }
+
+  //! @brief Extends every lease of this session; returns how many the exporter holds.
+  std::uint32_t heartbeat() {
+    std::lock_guard lock(call_mutex_);
+    return std::get<heartbeat_ack_msg>(call(heartbeat_msg{}, msg_type::heartbeat_ack)).leases;
+  }
+
+  // -- remote_block_source ----------------------------------------------------------------------
+  ucx_peer* peer() const noexcept { return peer_; }
+  std::uint64_t remote_address(slot_id s) const {
+    check_slot(s);
+    return session_.arena.base + std::uint64_t{s} * session_.slot_bytes;
+  }
+  std::uint64_t generation_address(slot_id s) const {
+    check_slot(s);
+    return session_.generations.base + std::uint64_t{s} * 8;
+  }
+  std::uint64_t expected_generation(slot_id s) const {
+    check_slot(s);
+    std::lock_guard g(mutex_);
+    return expected_[s];
+  }
+
+  // -- batched_block_io_tier ----------------------------------------------------------------------
+  void read_block(slot_id s, std::byte* out) const {
+    const block_read r{s, out};
+    read_blocks(std::span(&r, 1));
+  }
+  void read_blocks(std::span<const block_read> reads) const {
+    engine_->wait(engine_->submit_reads(*this, reads));
+  }
+  [[noreturn]] void write_block(slot_id, const std::byte*) { refuse_write(); }
+  [[noreturn]] void write_blocks(std::span<const block_write>) { refuse_write(); }
+
+ private:
+  [[noreturn]] void refuse_write() const {
+    oasiskv::detail::raise(errc::unsupported, "ucx_remote_tier ", name_,
+                           ": the prefill node's KV is read-only here; decode-side appends go "
+                           "to a local tier (docs/disagg.md)");
+  }
+  void check_slot(slot_id s) const {
+    if (s >= session_.num_slots) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_slot, "ucx_remote_tier ", name_, ": slot ", s,
+                             " is outside the exporter's ", session_.num_slots, " slots");
+    }
+  }
+
+  // One request-reply exchange; an `error` reply is rethrown with the exporter's code.
+  message call(const message& m, msg_type expected) {
+    const std::uint64_t id = ++next_request_;
+    const auto deadline = steady::now() + options_.io_timeout;
+    send_all(fd_.get(), encode(m, id), deadline, name_);
+    received_frame f = recv_frame(fd_.get(), deadline, name_);
+    if (const auto* e = std::get_if<error_msg>(&f.body)) {
+      const bool known = e->code >= 1 && e->code <= static_cast<std::uint32_t>(errc::io_error);
+      throw error(known ? static_cast<errc>(e->code) : errc::transfer_failed,
+                  "exporter " + name_ + " refused: " + e->text);
+    }
+    if (f.header.type != expected || f.header.request_id != id) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "exporter ", name_, " answered request ", id,
+                             " with message type ", static_cast<int>(f.header.type),
+                             " for request ", f.header.request_id);
+    }
+    return std::move(f.body);
+  }
+
+  void heartbeat_loop() {
+    const auto period =
+        std::chrono::milliseconds(std::max<std::uint32_t>(session_.lease_ms / 3, 1));
+    std::unique_lock lock(mutex_);
+    while (!stop_cv_.wait_for(lock, period, [&] { return stopping_; })) {
+      lock.unlock();
+      try {
+        heartbeat();
+      } catch (const error&) {
+        // A lost control channel shows up as failed batches (deadline) or a refused open.
+      }
+      lock.lock();
+    }
+  }
+
+  ucx_engine* engine_;
+  remote_tier_options options_;
+  std::string name_;
+  fd_handle fd_;
+  hello_ack_msg session_;
+  ucx_peer* peer_ = nullptr;
+  std::uint64_t next_request_ = 0;
+  std::mutex call_mutex_;  // one exchange at a time on the control socket
+  mutable std::mutex mutex_;
+  std::vector<std::uint64_t> expected_;  // [num_slots]; 0: not readable
+  std::map<std::uint64_t, std::vector<block_entry>> opened_;
+  std::condition_variable stop_cv_;
+  bool stopping_ = false;
+  std::thread heartbeat_thread_;
+};
+
+}  // namespace oasiskv::disagg

@@ -1,0 +1,180 @@
+// The exporter and the decode side on 127.0.0.1, over whatever UCX_TLS says (ctest runs this
+// binary with tcp and with sm). Every fetched byte is compared with the source pattern.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "disagg/disagg_support.hpp"
+#include "oasiskv/disagg/ucx_remote_tier.hpp"
+#include "oasiskv/tier/host_tier.hpp"
+
+using namespace oasiskv::disagg;
+using disagg_test::layout;
+using oasiskv::block_copy;
+using oasiskv::errc;
+using oasiskv::host_tier;
+
+namespace {
+
+std::uint16_t start_exporter(disagg_test::child& c, int requests, int tokens, int lease_ms,
+                             std::uint64_t first_seq = 1) {
+  disagg_test::spawn(c, {DISAGG_PROC, "export", std::to_string(requests), std::to_string(tokens),
+                         std::to_string(lease_ms), "60", std::to_string(first_seq)});
+  const std::string l = c.line();
+  REQUIRE_MESSAGE(l.rfind("port ", 0) == 0, "exporter said: ", l);
+  return static_cast<std::uint16_t>(std::stoul(l.substr(5)));
+}
+
+// Correctness tests are not about deadlines: a generous one keeps them from failing on a slow
+// machine (sanitizers make software-emulated gets ten times slower).
+ucx_engine_options relaxed() {
+  return {std::chrono::milliseconds(10000), 128};
+}
+
+remote_tier_options client(std::uint16_t port) {
+  remote_tier_options o;
+  o.port = port;
+  o.token = disagg_test::token();
+  return o;
+}
+
+// Fetches every block of `o` into `local` from slot `first` on and checks each byte.
+std::size_t fetch_and_check(ucx_engine& engine, ucx_remote_tier& tier, host_tier& local,
+                            const opened_msg& o, oasiskv::slot_id first) {
+  std::vector<block_copy> copies;
+  for (std::size_t i = 0; i < o.blocks.size(); ++i) {
+    copies.push_back({o.blocks[i].slot, static_cast<oasiskv::slot_id>(first + i)});
+  }
+  engine.wait(engine.submit(tier, local, copies));
+  std::vector<std::byte> want(layout.block_bytes());
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < o.blocks.size(); ++i) {
+    disagg_test::fill_block(want.data(), o.seq, static_cast<std::uint32_t>(i / o.blocks_per_layer),
+                            static_cast<std::uint32_t>(i % o.blocks_per_layer), want.size());
+    bad += std::memcmp(local.slot_data(copies[i].dst), want.data(), want.size()) != 0;
+  }
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("two processes: every fetched block equals the source, byte for byte") {
+  disagg_test::child ex;
+  const std::uint16_t port = start_exporter(ex, 4, 1000, 30000);
+  ucx_engine engine(relaxed());
+  ucx_remote_tier tier(engine, client(port));
+  CHECK(tier.layout() == layout);
+  const std::uint32_t per = layout.num_layers * layout.blocks_for(1000);
+  host_tier local(layout, 4 * per);
+  for (std::uint64_t seq = 1; seq <= 4; ++seq) {
+    const opened_msg o = tier.open(seq);
+    CHECK(o.tokens == 1000);
+    CHECK(o.summaries.size() == o.blocks.size() * summary_bytes(layout));
+    CHECK(fetch_and_check(engine, tier, local, o, static_cast<oasiskv::slot_id>((seq - 1) * per)) ==
+          0);
+  }
+  // The block-I/O path (one block, synchronous).
+  const opened_msg o = tier.open(1);
+  std::vector<std::byte> one(layout.block_bytes()), want(layout.block_bytes());
+  tier.read_block(o.blocks[5].slot, one.data());
+  disagg_test::fill_block(want.data(), 1, 0, 5, want.size());
+  CHECK(one == want);
+  CHECK(tier.heartbeat() == 4);
+  for (std::uint64_t seq = 1; seq <= 4; ++seq) {
+    tier.release(seq);
+  }
+  CHECK(tier.heartbeat() == 0);
+  CHECK(engine.stats().failed_batches == 0);
+  CHECK(engine.stats().bytes == (4 * per + 1) * layout.block_bytes());
+}
+
+TEST_CASE("two processes: concurrent batches from several threads") {
+  disagg_test::child ex;
+  const std::uint16_t port = start_exporter(ex, 4, 512, 30000);
+  ucx_engine engine({std::chrono::milliseconds(10000), 64});
+  ucx_remote_tier tier(engine, client(port));
+  const std::uint32_t per = layout.num_layers * layout.blocks_for(512);
+  host_tier local(layout, 4 * per);
+  std::vector<opened_msg> opened;
+  for (std::uint64_t seq = 1; seq <= 4; ++seq) {
+    opened.push_back(tier.open(seq));
+  }
+  std::atomic<std::size_t> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 5; ++round) {
+        bad +=
+            fetch_and_check(engine, tier, local, opened[t], static_cast<oasiskv::slot_id>(t * per));
+      }
+    });
+  }
+  for (auto& th : threads) {
+    th.join();
+  }
+  CHECK(bad == 0);
+  CHECK(engine.stats().batches == 20);
+}
+
+TEST_CASE("a decode node without the exporter's token is refused") {
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  kv_exporter ex(layout, 64, eo);
+  ucx_engine engine(relaxed());
+  remote_tier_options o = client(ex.port());
+  o.token = disagg_test::token('x');
+  try {
+    ucx_remote_tier tier(engine, o);
+    FAIL("a wrong token was accepted");
+  } catch (const oasiskv::error& e) {
+    CHECK(std::string(e.what()).find("refused") != std::string::npos);
+  }
+  CHECK(ex.stats().refused == 1);
+}
+
+TEST_CASE("a read of a block the exporter freed fails on its generation") {
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  kv_exporter ex(layout, 64, eo);
+  disagg_test::publish_pattern(ex, 1, 100);
+  ucx_engine engine(relaxed());
+  ucx_remote_tier tier(engine, client(ex.port()));
+  const opened_msg o = tier.open(1);
+  host_tier local(layout, 64);
+  CHECK(fetch_and_check(engine, tier, local, o, 0) == 0);
+  ex.drop(1);                                // freed while the decode node still reads it...
+  disagg_test::publish_pattern(ex, 2, 100);  // ...and its slots reused by another request
+  std::vector<block_copy> copies{{o.blocks[0].slot, 20}, {o.blocks[3].slot, 21}};
+  try {
+    engine.wait(engine.submit(tier, local, copies));
+    FAIL("a stale block was accepted");
+  } catch (const oasiskv::error& e) {
+    CHECK(e.code() == errc::transfer_failed);
+    CHECK(std::string(e.what()).find("generation") != std::string::npos);
+  }
+  CHECK(engine.stats().generation_mismatches == 1);
+  // The exporter itself is fine: a fresh open of the new request reads correctly.
+  const opened_msg o2 = tier.open(2);
+  CHECK(fetch_and_check(engine, tier, local, o2, 30) == 0);
+}
+
+TEST_CASE("slots of no opened request and writes are refused before anything moves") {
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  kv_exporter ex(layout, 64, eo);
+  disagg_test::publish_pattern(ex, 1, 40);
+  ucx_engine engine(relaxed());
+  ucx_remote_tier tier(engine, client(ex.port()));
+  host_tier local(layout, 8);
+  std::vector<block_copy> copies{{0, 0}};
+  CHECK_THROWS_AS(engine.submit(tier, local, copies), oasiskv::error);  // nothing opened yet
+  const opened_msg o = tier.open(1);
+  copies = {{o.blocks[0].slot, 0}, {o.blocks[1].slot, 0}};  // one destination twice
+  CHECK_THROWS_AS(engine.submit(tier, local, copies), oasiskv::error);
+  std::vector<std::byte> buf(layout.block_bytes());
+  CHECK_THROWS_AS(tier.write_block(o.blocks[0].slot, buf.data()), oasiskv::error);
+  CHECK_THROWS_AS(tier.open(99), oasiskv::error);  // never published
+}
