@@ -13,6 +13,7 @@
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/summary/score_kernels.hpp"
+#include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {
 
@@ -70,15 +71,7 @@ class mean_summary {
     if (count == 0) {
       return;
     }
-    if (block == nullptr) [[unlikely]] {
-      detail::raise(errc::invalid_argument, "mean_summary::update: block is null");
-    }
-    if (first >= layout_.tokens_per_block || count > layout_.tokens_per_block - first)
-        [[unlikely]] {
-      detail::raise(errc::out_of_range, "mean_summary::update: tokens [", first, ", ",
-                    std::uint64_t{first} + count,
-                    ") exceed tokens_per_block = ", layout_.tokens_per_block);
-    }
+    detail::check_summary_update("mean_summary", layout_, block, first, count);
     if (tokens_[b] + count > layout_.tokens_per_block) [[unlikely]] {
       detail::raise(errc::out_of_range, "mean_summary::update: entry ", b, " would hold ",
                     tokens_[b] + count,

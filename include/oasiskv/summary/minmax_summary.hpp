@@ -16,6 +16,7 @@
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/summary/minmax_kernels.hpp"
 #include "oasiskv/summary/score_kernels.hpp"
+#include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {
 
@@ -95,15 +96,7 @@ class minmax_summary {
     if (count == 0) {
       return;
     }
-    if (block == nullptr) [[unlikely]] {
-      detail::raise(errc::invalid_argument, "minmax_summary::update: block is null");
-    }
-    if (first >= layout_.tokens_per_block || count > layout_.tokens_per_block - first)
-        [[unlikely]] {
-      detail::raise(errc::out_of_range, "minmax_summary::update: tokens [", first, ", ",
-                    std::uint64_t{first} + count,
-                    ") exceed tokens_per_block = ", layout_.tokens_per_block);
-    }
+    detail::check_summary_update("minmax_summary", layout_, block, first, count);
     const std::uint32_t d = layout_.head_dim;
     if (tokens_[b] == 0) {  // empty: fold into the identity of max / min
       fill_bounds(b, -std::numeric_limits<float>::infinity(),
