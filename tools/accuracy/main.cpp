@@ -1,0 +1,256 @@
+//! @file
+//! @brief `accuracy`: does the lookahead predict the blocks the next step attends to, well
+//! enough that the output stays that of full attention? Runs a real model over real text,
+//! scores every predictor configuration against the oracle at every evaluated step and layer,
+//! and runs teacher-forced decodes with sparse attention in the loop. See docs/accuracy.md.
+#include <cblas.h>
+#include <fmt/core.h>
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "common.hpp"
+#include "decoder.hpp"
+#include "evaluator.hpp"
+#include "runner.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+// The model's own text: stories sampled at temperature 1 from BOS, concatenated (a llama2.c
+// model ends a story at BOS, so one generation is short).
+std::vector<int> sampled_text(const mini_decoder::model& m, std::uint32_t want, float rope_scale,
+                              std::uint64_t seed) {
+  std::vector<int> out;
+  const std::vector<int> start = m.tok->encode("Once upon a time", true);
+  for (std::uint64_t s = seed; out.size() < want; ++s) {
+    mini_decoder::decoder_options o;
+    o.temperature = 1.0f;
+    o.seed = s;
+    o.rope_scale = rope_scale;
+    o.max_tokens = std::min<std::uint32_t>(want, 1000);
+    o.context = 1024;
+    mini_decoder::decoder d(m, o);
+    out.insert(out.end(), start.begin(), start.end());
+    const std::vector<int> g = d.generate(start);
+    out.insert(out.end(), g.begin(), g.end());
+  }
+  return out;
+}
+
+struct expectation {
+  std::string key, metric;
+  bool at_most = false;  // "<=" rather than ">="
+  double value = 0;
+};
+expectation parse_expect(const std::string& s) {  // "<config>:<metric>>=<value>" or "<="
+  const auto colon = s.rfind(':');
+  auto op = s.find(">=");
+  const bool at_most = op == std::string::npos;
+  if (at_most) {
+    op = s.find("<=");
+  }
+  if (colon == std::string::npos || op == std::string::npos || op < colon) {
+    mini_decoder::fail("--expect '", s, "' is not <config>:<metric>>=<value> (or <=)");
+  }
+  return {s.substr(0, colon), s.substr(colon + 1, op - colon - 1), at_most,
+          std::stod(s.substr(op + 2))};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"accuracy: lookahead block prediction against the oracle on a real model"};
+  std::string model_path, json_path, source = "text";
+  std::vector<std::string> text_files, e2e_specs, expects;
+  std::uint32_t context = 4096, tokens = 512, draft_len = 4, eval_every = 4;
+  std::vector<std::uint32_t> budgets{256, 512, 1024, 2048}, blocks{16, 32};
+  float rope_scale = 1.0f;
+  std::uint64_t seed = 1;
+  app.add_option("--model", model_path, "GGUF or llama2.c model")->required();
+  app.add_option("--text", text_files, "files whose concatenation is the text (source=text)");
+  app.add_option("--source", source, "text (the files) or sampled (the model's own stories)");
+  app.add_option("--context", context, "prompt + continuation tokens");
+  app.add_option("--tokens", tokens, "continuation tokens decoded (greedy and held-out)");
+  app.add_option("--rope-scale", rope_scale, "RoPE theta multiplier");
+  app.add_option("--draft-len", draft_len, "n-gram drafts per step (lookahead tokens)");
+  app.add_option("--eval-every", eval_every, "evaluate predictors every N-th step");
+  app.add_option("--budgets", budgets, "budgets in tokens");
+  app.add_option("--blocks", blocks, "block sizes in tokens");
+  app.add_option("--e2e", e2e_specs,
+                 "sparse-in-the-loop runs, pred:agg:budget (pred la1 la2 la4 prev cur recency)");
+  app.add_option("--json", json_path, "write every figure here");
+  app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");
+  app.add_option("--seed", seed, "random predictor and sampled text");
+  CLI11_PARSE(app, argc, argv);
+  // Shared machines: spinning workers that get descheduled cost more than they give.
+  omp_set_num_threads(1);
+  openblas_set_num_threads(1);
+  try {
+    const auto t0 = clock_type::now();
+    auto m = mini_decoder::load_model(model_path);
+    const mini_decoder::model_config& c = m->config;
+    if (tokens + 2 > context) {
+      mini_decoder::fail("--tokens ", tokens, " leaves no prompt in --context ", context);
+    }
+    std::vector<int> text;
+    if (source == "sampled") {
+      text = sampled_text(*m, context + 1, rope_scale, seed);
+    } else {
+      std::string all;
+      for (const std::string& f : text_files) {
+        std::ifstream in(f, std::ios::binary);
+        if (!in) {
+          mini_decoder::fail("cannot read --text ", f);
+        }
+        std::stringstream ss;
+        ss << in.rdbuf();
+        all += ss.str() + "\n\n";
+      }
+      text = m->tok->encode(all, m->tok->adds_bos());
+    }
+    if (text.size() < context + 1) {
+      mini_decoder::fail("the text is ", text.size(), " tokens; --context ", context, " needs ",
+                         context + 1);
+    }
+    const std::uint32_t P = context - tokens;
+    const std::vector<int> prompt(text.begin(), text.begin() + P);
+    const std::vector<int> held_out(text.begin() + P, text.begin() + context + 1);
+    fmt::print(stderr,
+               "model {} ({} layers, {} q / {} kv heads, d {}); prompt {} tokens, {} "
+               "continuation tokens, context {}\n",
+               c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, P, tokens,
+               context);
+
+    accuracy::runner r(*m, rope_scale, context, draft_len);
+    r.prefill(prompt);
+    fmt::print(stderr, "prefill {:.1f} s\n", since(t0));
+    accuracy::evaluator ev({c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, context}, blocks,
+                           budgets, seed);
+    auto t1 = clock_type::now();
+    const accuracy::run_result greedy = r.dense_greedy(tokens, &ev, eval_every);
+    fmt::print(stderr, "dense greedy + evaluation ({} samples) {:.1f} s\n", ev.samples(),
+               since(t1));
+    const double acceptance = greedy.drafted ? double(greedy.accepted) / greedy.drafted : 0.0;
+
+    std::map<std::string, std::map<std::string, double>> results;
+    for (const accuracy::eval_config& e : ev.configs()) {
+      const auto& s = e.sums;
+      auto& row = results[e.name];
+      row["agree_all"] = s.n ? s.agree_all / s.n : 0;
+      row["agree_free"] = s.n_free ? s.agree_free / s.n_free : 0;
+      row["agree_next"] = s.n ? s.agree_next / s.n : 0;
+      row["recall"] = s.n ? s.recall / s.n : 0;
+      row["rel_recall"] = s.n ? s.rel_recall / s.n : 0;
+      row["l2"] = s.n ? s.l2 / s.n : 0;
+      row["samples"] = static_cast<double>(s.n);
+    }
+    // End to end: teacher-forced on the dense greedy continuation (agreement) and on the
+    // held-out text (perplexity).
+    t1 = clock_type::now();
+    const accuracy::run_result dense_ho = r.forced(held_out, nullptr);
+    const double ppl_dense = std::exp(dense_ho.nll / std::max(dense_ho.scored, 1u));
+    results["e2e/dense"] = {{"ppl", ppl_dense},
+                            {"acceptance_greedy", acceptance},
+                            {"acceptance_held_out",
+                             dense_ho.drafted ? double(dense_ho.accepted) / dense_ho.drafted : 0}};
+    fmt::print(stderr, "dense held-out {:.1f} s\n", since(t1));
+    for (const std::string& spec : e2e_specs) {
+      accuracy::sparse_config sc;
+      const auto a = spec.find(':'), b = spec.rfind(':');
+      if (a == std::string::npos || a == b) {
+        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget");
+      }
+      sc.pred = spec.substr(0, a);
+      sc.agg = spec.substr(a + 1, b - a - 1);
+      sc.budget = static_cast<std::uint32_t>(std::stoul(spec.substr(b + 1)));
+      sc.block = blocks.front();
+      t1 = clock_type::now();
+      const accuracy::run_result sg = r.forced(greedy.tokens, &sc);
+      const accuracy::run_result sh = r.forced(held_out, &sc);
+      std::uint32_t agree = 0, agree_ho = 0;
+      for (std::size_t i = 0; i + 1 < greedy.tokens.size(); ++i) {
+        agree += sg.argmax[i] == greedy.tokens[i + 1] ? 1u : 0u;
+      }
+      for (std::size_t i = 0; i < sh.argmax.size() && i < dense_ho.argmax.size(); ++i) {
+        agree_ho += sh.argmax[i] == dense_ho.argmax[i] ? 1u : 0u;
+      }
+      const double ppl = std::exp(sh.nll / std::max(sh.scored, 1u));
+      auto& row = results["e2e/" + sc.name()];
+      row["agreement"] = double(agree) / std::max<std::size_t>(greedy.tokens.size() - 1, 1);
+      row["agreement_held_out"] = double(agree_ho) / std::max<std::size_t>(sh.argmax.size(), 1);
+      row["ppl"] = ppl;
+      row["ppl_ratio"] = ppl / ppl_dense;
+      fmt::print(stderr,
+                 "e2e {}: agreement {:.4f} (held-out {:.4f}), ppl {:.3f} vs dense {:.3f} "
+                 "({:.1f} s)\n",
+                 sc.name(), row["agreement"], row["agreement_held_out"], ppl, ppl_dense, since(t1));
+    }
+
+    fmt::print("{:<44} {:>9} {:>10} {:>10} {:>7} {:>10} {:>8}\n", "config", "agree_all",
+               "agree_free", "agree_next", "recall", "rel_recall", "l2");
+    for (const auto& [name, row] : results) {
+      if (name.rfind("e2e/", 0) == 0) {
+        continue;
+      }
+      fmt::print("{:<44} {:>9.4f} {:>10.4f} {:>7.4f} {:>10.4f} {:>8.4f}\n", name,
+                 row.at("agree_all"), row.at("agree_free"), row.at("recall"), row.at("rel_recall"),
+                 row.at("l2"));
+    }
+    for (const auto& [name, row] : results) {
+      if (name.rfind("e2e/", 0) == 0) {
+        std::string line = name;
+        for (const auto& [k, v] : row) {
+          line += fmt::format(" {}={:.4f}", k, v);
+        }
+        fmt::print("{}\n", line);
+      }
+    }
+    if (!json_path.empty()) {
+      std::ofstream js(json_path);
+      js << "{\n  \"model\": \"" << c.architecture << "\", \"context\": " << context
+         << ", \"tokens\": " << tokens << ", \"prompt\": " << P << ", \"draft_len\": " << draft_len
+         << ", \"eval_every\": " << eval_every << ",\n  \"results\": {\n";
+      bool first = true;
+      for (const auto& [name, row] : results) {
+        js << (first ? "" : ",\n") << "    \"" << name << "\": {";
+        bool f2 = true;
+        for (const auto& [k, v] : row) {
+          js << (f2 ? "" : ", ") << "\"" << k << "\": " << fmt::format("{:.6g}", v);
+          f2 = false;
+        }
+        js << "}";
+        first = false;
+      }
+      js << "\n  }\n}\n";
+    }
+    int failed = 0;
+    for (const std::string& s : expects) {
+      const expectation e = parse_expect(s);
+      const auto it = results.find(e.key);
+      if (it == results.end() || !it->second.contains(e.metric)) {
+        fmt::print(stderr, "FAIL {}: no such figure\n", s);
+        ++failed;
+        continue;
+      }
+      const double v = it->second.at(e.metric);
+      const bool ok = e.at_most ? v <= e.value : v >= e.value;
+      fmt::print(stderr, "{} {}: measured {:.4f}\n", ok ? "ok  " : "FAIL", s, v);
+      failed += ok ? 0 : 1;
+    }
+    fmt::print(stderr, "total {:.1f} s\n", since(t0));
+    return failed == 0 ? 0 : 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "accuracy: {}\n", e.what());
+    return 2;
+  }
+}

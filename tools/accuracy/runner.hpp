@@ -1,0 +1,62 @@
+//! @file
+//! @brief Decode loops over one prefilled context: the dense greedy run that feeds the
+//! evaluator, and teacher-forced runs (dense or with block-sparse attention in the loop) that
+//! give next-token agreement and perplexity. One prefill serves every run: prefill is dense in
+//! every mode (as in the mini-decoder), so all runs start from the same KV.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "evaluator.hpp"
+#include "model.hpp"
+#include "transformer.hpp"
+
+namespace accuracy {
+
+//! Block-sparse attention in the loop: at step i, layer l attends the blocks the predictor
+//! selected from step i-1's queries of layer l (pending token + drafts), through the library's
+//! `lookahead_predictor<minmax_summary<f16>>` (the deployed path), or Quest / recency.
+struct sparse_config {
+  std::string pred = "la4";  // la1 la2 la4 prev cur recency
+  std::string agg = "max";   // max mass conf
+  std::uint32_t budget = 1024, block = 16;
+  std::string name() const;
+};
+
+struct run_result {
+  std::vector<int> tokens;  // the committed tokens x_0 .. x_{N-1}
+  std::vector<int> argmax;  // the model's argmax after each committed token
+  double nll = 0;           // summed -log p(teacher[i+1]) (teacher-forced runs)
+  std::uint32_t scored = 0, drafted = 0, accepted = 0;
+};
+
+class runner {
+ public:
+  runner(const mini_decoder::model& m, float rope_scale, std::uint32_t context,
+         std::uint32_t draft_len);
+  //! Dense prefill of `prompt`, kept for every later run.
+  void prefill(const std::vector<int>& prompt);
+  //! Dense greedy decoding of `n` tokens; when `ev` is set, every `eval_every`-th step is
+  //! evaluated (all layers) before its attention.
+  run_result dense_greedy(std::uint32_t n, evaluator* ev, std::uint32_t eval_every);
+  //! Teacher-forced: commits `teacher[i]` at step i, scores the model's prediction of
+  //! `teacher[i+1]`. `sparse` null: dense attention.
+  run_result forced(const std::vector<int>& teacher, const sparse_config* sparse);
+  std::uint32_t prompt_tokens() const { return static_cast<std::uint32_t>(prompt_.size()); }
+
+ private:
+  struct sparse_state;
+  run_result loop(const std::vector<int>* teacher, std::uint32_t n, const sparse_config* sparse,
+                  evaluator* ev, std::uint32_t eval_every);
+
+  const mini_decoder::model& m_;
+  mini_decoder::transformer tf_;
+  std::uint32_t context_, draft_len_, kv_dim_;
+  std::vector<int> prompt_;
+  std::vector<float> first_logits_;
+  std::vector<std::vector<float>> prefill_k_, prefill_v_;  // [layer][pos][kv_dim]
+};
+
+}  // namespace accuracy
