@@ -3,6 +3,7 @@
 // GCC 12 reports the `_mm512_undefined_*` placeholders inside its own AVX-512 headers as
 // maybe-uninitialized (a known false positive); silence it for this file's intrinsics only.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <cblas.h>
 #include <immintrin.h>
 #include <omp.h>
