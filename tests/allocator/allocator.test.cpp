@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <algorithm>
 #include <map>
 #include <random>
@@ -16,17 +18,7 @@ using oasiskv::refcounted_allocator;
 using oasiskv::slot_id;
 
 namespace {
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << oasiskv::to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 }  // namespace
 
 // Every allocator model goes through the same block_allocator cases.

@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -16,17 +18,7 @@ using oasiskv::testing::max_rel_error;
 using oasiskv::testing::pick;
 
 namespace {
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 
 float* key_row(host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok) {
   const kv_layout& l = t.layout();

@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <atomic>
 #include <cmath>
 #include <random>
@@ -28,17 +30,7 @@ struct bundle {
   using kernel = reference_decode;
 };
 
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 
 // Random KV of `n` tokens for one layer: [n][num_kv_heads][head_dim] of the layout's dtype.
 std::vector<std::byte> random_rows(const kv_layout& l, std::uint32_t n, std::mt19937& rng) {

@@ -4,6 +4,8 @@
 // with the true query == Quest, the oracle maximises attention mass, planted blocks are found.
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -76,17 +78,7 @@ using namespace oasiskv;
 
 namespace {
 
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 
 // One (sequence, layer): random keys with block i in a shuffled slot, a summary of type S (none
 // for no_summary) whose entries are a shuffled subset of its capacity, and random queries.

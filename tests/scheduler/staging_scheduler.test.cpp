@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -44,17 +46,7 @@ bool holds(const host_tier& fast, slot_id f, slot_id source) {
   return true;
 }
 
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 
 template <class Policy, class Slow = host_tier>
 using scheduler_for =

@@ -3,6 +3,8 @@
 // token; mean: the mean key's dot product).
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -21,17 +23,7 @@ using namespace oasiskv;
 
 namespace {
 
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 
 // The key of (slot, kv head, token) as f32.
 std::vector<float> key_of(const host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok) {

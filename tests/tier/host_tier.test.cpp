@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -21,17 +23,7 @@ const kv_layout smollm2{30, 9, 3, 64, 16, dtype::f16};
 // 2 x 1 x 3 tokens x 8 x 2 = 96 bytes: the tier rounds the stride up to 128.
 const kv_layout odd{1, 2, 1, 8, 3, dtype::bf16};
 
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << oasiskv::to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 }  // namespace
 
 TEST_CASE("host_tier: geometry, alignment and independent slots, in every allocation mode") {

@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include "support/expect_error.hpp"
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -45,17 +47,7 @@ std::uint64_t read_stamp(const host_tier& t, slot_id s) {
   return tag;
 }
 
-template <class F>
-void expect_error(F&& f, errc code, const std::string& needle) {
-  try {
-    f();
-    FAIL("expected oasiskv::error " << oasiskv::to_string(code));
-  } catch (const oasiskv::error& e) {
-    CHECK(e.code() == code);
-    INFO(std::string(e.what()));
-    CHECK(std::string(e.what()).find(needle) != std::string::npos);
-  }
-}
+using oasiskv::testing::expect_error;
 
 using oasiskv::testing::gated_io_tier;
 static_assert(oasiskv::block_io_tier<gated_io_tier>);
