@@ -69,7 +69,7 @@ run_ctest build/ci
 
 echo "== build and test: AddressSanitizer + UndefinedBehaviorSanitizer (preset asan)"
 cmake --preset asan >/dev/null
-cmake --build --preset asan -j "$jobs"
+cmake --build --preset asan -j "$jobs" --target oasiskv_tests
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   run_ctest build/asan -LE 'package|compile_fail'
 

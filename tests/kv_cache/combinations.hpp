@@ -1,7 +1,10 @@
 // The facade assembled from every combination of the shipped predictors, schedulers and kernels
 // runs one suite: with a budget covering the whole context, attend equals dense attention; with
 // a smaller budget, the oracle predictor with fetch-on-miss equals sparse attention over the
-// oracle's own selection.
+// oracle's own selection. One translation unit per scheduler (combinations_*.test.cpp) includes
+// this header, so the builds of the many instantiations run in parallel.
+#pragma once
+
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -11,9 +14,9 @@
 #include "oasiskv/oasiskv.hpp"
 #include "support/kv_fixture.hpp"
 
-using namespace oasiskv;
+namespace oasiskv::testing::combinations {
 
-namespace {
+using namespace oasiskv;
 
 template <class Predictor, class Scheduler, class Kernel>
 struct bundle {
@@ -29,19 +32,18 @@ struct bundle {
 template <class... Ts>
 struct type_list {};
 
+// Every shipped predictor (each summary, aggregation and granularity at least once).
 using predictors =
     type_list<lookahead_predictor<minmax_summary<>>, lookahead_predictor<mean_summary>,
+              lookahead_predictor<minmax_summary<>, max_aggregation>,
               lookahead_predictor<minmax_summary<>, softmax_mass_aggregation>,
               lookahead_predictor<minmax_summary<>, max_aggregation, per_kv_head_selection>,
               current_query_predictor<minmax_summary<>>, recency_predictor, oracle_predictor<>>;
-using schedulers =
-    type_list<lookahead_prefetcher<lru_eviction>, lookahead_prefetcher<score_eviction>,
-              on_demand_fetcher<>, all_resident>;
 
-const kv_layout layout{2, 4, 2, 16, 4, dtype::f32};
-const float scale = 0.25f;
+inline const kv_layout layout{2, 4, 2, 16, 4, dtype::f32};
+inline constexpr float scale = 0.25f;
 
-std::vector<std::byte> random_rows(std::uint32_t n, std::mt19937& rng) {
+inline std::vector<std::byte> random_rows(std::uint32_t n, std::mt19937& rng) {
   std::vector<std::byte> rows(std::size_t{n} * layout.num_kv_heads * layout.row_bytes());
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   float* p = reinterpret_cast<float*>(rows.data());
@@ -50,7 +52,7 @@ std::vector<std::byte> random_rows(std::uint32_t n, std::mt19937& rng) {
   }
   return rows;
 }
-std::vector<float> random_queries(std::uint32_t n, std::mt19937& rng) {
+inline std::vector<float> random_queries(std::uint32_t n, std::mt19937& rng) {
   std::vector<float> q(std::size_t{n} * layout.num_q_heads * layout.head_dim);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
   for (float& x : q) {
@@ -159,27 +161,18 @@ void oracle_equals_sparse_over_its_selection() {
   CHECK(cache.stats().step.misses > 0);  // fetch-on-miss did fetch
 }
 
-template <class Kernel, class... Ps, class... Ss>
-void run_all(type_list<Ps...>, type_list<Ss...>) {
-  auto for_scheduler = [&]<class S>() {
-    (full_budget_equals_dense<Ps, S, Kernel>(), ...);
-  };
-  (for_scheduler.template operator()<Ss>(), ...);
+// Every predictor with scheduler `S` and kernel `Kernel`: a full budget equals dense attention.
+template <class S, class Kernel, class... Ps>
+void full_budget_equals_dense_for_all(type_list<Ps...>) {
+  (full_budget_equals_dense<Ps, S, Kernel>(), ...);
 }
 
-}  // namespace
-
-TEST_CASE("every predictor x scheduler, reference kernel: full budget equals dense") {
-  run_all<reference_decode>(predictors{}, schedulers{});
+// The suite for one scheduler: every predictor with both kernels; the oracle check where the
+// scheduler can fetch on a miss.
+template <class S>
+void run_scheduler_suite() {
+  full_budget_equals_dense_for_all<S, reference_decode>(predictors{});
+  full_budget_equals_dense_for_all<S, cpu::sparse_decode>(predictors{});
 }
 
-TEST_CASE("every predictor x scheduler, cpu::sparse_decode: full budget equals dense") {
-  run_all<cpu::sparse_decode>(predictors{}, schedulers{});
-}
-
-TEST_CASE_TEMPLATE("oracle + fetch-on-miss equals sparse attention over the oracle selection", S,
-                   lookahead_prefetcher<lru_eviction>, lookahead_prefetcher<score_eviction>,
-                   on_demand_fetcher<>) {
-  oracle_equals_sparse_over_its_selection<S, reference_decode>();
-  oracle_equals_sparse_over_its_selection<S, cpu::sparse_decode>();
-}
+}  // namespace oasiskv::testing::combinations

@@ -1,0 +1,16 @@
+// The facade with scheduler `on_demand_fetcher<>` and every predictor and kernel
+// (combinations.hpp).
+#include "kv_cache/combinations.hpp"
+
+using namespace oasiskv;
+namespace c = oasiskv::testing::combinations;
+
+TEST_CASE("on_demand_fetcher<> x every predictor, both kernels: full budget equals dense") {
+  c::run_scheduler_suite<on_demand_fetcher<>>();
+}
+
+TEST_CASE(
+    "on_demand_fetcher<>: oracle + fetch-on-miss equals sparse attention over its selection") {
+  c::oracle_equals_sparse_over_its_selection<on_demand_fetcher<>, reference_decode>();
+  c::oracle_equals_sparse_over_its_selection<on_demand_fetcher<>, cpu::sparse_decode>();
+}

@@ -1,0 +1,21 @@
+// The facade with scheduler `lookahead_prefetcher<lru_eviction>` and every predictor and kernel
+// (combinations.hpp).
+#include "kv_cache/combinations.hpp"
+
+using namespace oasiskv;
+namespace c = oasiskv::testing::combinations;
+
+TEST_CASE(
+    "lookahead_prefetcher<lru_eviction> x every predictor, both kernels: full budget equals "
+    "dense") {
+  c::run_scheduler_suite<lookahead_prefetcher<lru_eviction>>();
+}
+
+TEST_CASE(
+    "lookahead_prefetcher<lru_eviction>: oracle + fetch-on-miss equals sparse attention over its "
+    "selection") {
+  c::oracle_equals_sparse_over_its_selection<lookahead_prefetcher<lru_eviction>,
+                                             reference_decode>();
+  c::oracle_equals_sparse_over_its_selection<lookahead_prefetcher<lru_eviction>,
+                                             cpu::sparse_decode>();
+}
