@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/concepts/loadable_summary.hpp"
 #include "oasiskv/concepts/policy_bundle.hpp"
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
 #include "oasiskv/core/decode_params.hpp"
@@ -36,6 +37,16 @@ namespace oasiskv {
 //!    starts staging them. Returns at once.
 //! 3. `attend(seqs, layer, q, q_len, out, lse)`: waits only for the blocks the step needs and
 //!    runs the kernel over them.
+//!
+//! A sequence whose blocks already lie in the capacity tier (a prefill node's memory, a restored
+//! prefix) enters through `adopt` instead of `add_sequence` + `append`. A capacity tier with
+//! `read_only_slots()` (a `composite_tier` over a remote tier) keeps slots `[0, k)` out of the
+//! allocator: they are only ever adopted, and a write into one (an append into an adopted
+//! partial block) first copies the block to a slot the cache allocates.
+//!
+//! The transfer engine is constructed from the capacity tier when it has such a constructor (an
+//! engine bound to the tier it reads: `routing_engine` over a `composite_tier`), otherwise
+//! default-constructed.
 //!
 //! Thread safety: calls may come from several threads for *different* sequences; calls for one
 //! sequence must not overlap. The kernel runs outside the cache's lock.
@@ -59,6 +70,15 @@ class tiered_kv_cache {
   using scheduler_type = typename Policies::scheduler::template bind<fast_tier_type, slow_tier_type,
                                                                      transfer_type, allocator_type>;
   static constexpr bool has_summary = !std::is_same_v<summary_type, no_summary>;
+  //! True when `adopt` can take shipped summary bytes (else it reads the blocks to summarise
+  //! them).
+  static constexpr bool loads_summaries = [] {
+    if constexpr (has_summary) {
+      return loadable_summary<summary_type>;
+    } else {
+      return false;
+    }
+  }();
   //! True for kernels that read device memory but accept tables built on the host
   //! (`decode_host_tables`): the cache's tables always are.
   static constexpr bool host_table_kernel = requires(kernel_type & k, const decode_params& dp) {
@@ -86,9 +106,20 @@ class tiered_kv_cache {
         summaries_(make_summaries(layout_, slow_.num_slots())),
         predictor_(std::move(predictor)),
         kernel_(std::move(kernel)),
+        engine_(make_engine(slow_)),
         scheduler_(fast_, slow_, engine_, {options.max_evictions_per_step}) {
     if (!(fast_.layout() == layout_)) [[unlikely]] {
       detail::raise(errc::layout_mismatch, "tiered_kv_cache: fast and slow tier layouts differ");
+    }
+    if constexpr (requires { slow_.read_only_slots(); }) {
+      static_assert(
+          requires(allocator_type & a, slot_id x) { a.take(x); },
+          "oasiskv: a capacity tier with read-only slots needs an allocator with "
+          "take(slot) (free_list_allocator has it)");
+      read_only_slots_ = slow_.read_only_slots();
+      for (slot_id s = 0; s < read_only_slots_; ++s) {
+        capacity_.reserve(s);  // only `adopt` may hand these out
+      }
     }
     const std::uint32_t budget = budget_blocks();
     if (options_.budget_tokens == 0 || budget < options_.sink_blocks + options_.recent_blocks)
@@ -136,6 +167,112 @@ class tiered_kv_cache {
     sequences_.emplace(id, std::move(child));
     return id;
   }
+
+  //! @brief Adds a sequence of `tokens` tokens whose blocks already lie in the capacity tier.
+  //! `slots` is `[num_layers][blocks_for(tokens)]` capacity slots, layer-major (block `b` of layer
+  //! `l` at `l * blocks + b`); the last block of each layer holds the remaining tokens. Each slot
+  //! must be free (or reserved: a read-only slot) and appear once; the cache then holds it like
+  //! a slot it allocated (forks share it, `remove` lets it go).
+  //!
+  //! `summaries`, if not empty, is `[num_layers][blocks][summary_type::wire_bytes()]`: entries
+  //! computed where the blocks were written (`loadable_summary`; for `minmax_summary`, the f16
+  //! max/min of `disagg::summarize_block`). Without them, or for a summary that cannot load, the
+  //! cache reads every adopted block to summarise it (a remote tier then reads the whole KV).
+  //!
+  //! The sink blocks and the full blocks of the recent window start staging now (selective
+  //! admission); with the `all_resident` scheduler, every full block (dense admission).
+  //! Errors, with nothing changed: `errc::invalid_argument` for a slot count or summary size
+  //! that does not match, or a slot already in use (named); `errc::invalid_slot` for a slot
+  //! outside the capacity tier; `errc::out_of_range` past `max_tokens_per_sequence`. O(blocks).
+  sequence_id adopt(std::uint32_t tokens, std::span<const slot_id> slots,
+                    std::span<const std::byte> summaries = {}) {
+    static_assert(
+        requires(allocator_type & a, slot_id x) { a.take(x); },
+        "oasiskv: adopt needs an allocator with take(slot) (free_list_allocator has it)");
+    std::lock_guard lock(mutex_);
+    const std::uint32_t blocks = layout_.blocks_for(tokens);
+    const std::size_t total = std::size_t{layout_.num_layers} * blocks;
+    if (tokens > options_.max_tokens_per_sequence) [[unlikely]] {
+      detail::raise(errc::out_of_range, "adopt: ", tokens,
+                    " tokens pass max_tokens_per_sequence = ", options_.max_tokens_per_sequence);
+    }
+    if (slots.size() != total) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "adopt: ", slots.size(), " slots for ", tokens,
+                    " tokens; expected ", layout_.num_layers, " layers x ", blocks,
+                    " blocks = ", total);
+    }
+    bool load = false;
+    if constexpr (loads_summaries) {
+      if (!summaries.empty()) {
+        const std::size_t want = total * summaries_.wire_bytes();
+        if (summaries.size() != want) [[unlikely]] {
+          detail::raise(errc::invalid_argument, "adopt: ", summaries.size(), " summary bytes for ",
+                        total, " blocks; expected ", total, " x ", summaries_.wire_bytes(), " = ",
+                        want);
+        }
+        load = true;
+      }
+    }
+    std::size_t held = 0;
+    try {
+      for (; held < total; ++held) {
+        capacity_.adopt(slots[held]);
+      }
+      if constexpr (has_summary) {
+        summarize_adopted(tokens, blocks, slots, summaries, load);
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < held; ++i) {
+        capacity_.deallocate(slots[i]);
+      }
+      throw;
+    }
+    sequence_state st(layout_.num_layers);
+    for (std::uint32_t l = 0; l < layout_.num_layers; ++l) {
+      layer_state& ls = st.layers[l];
+      ls.tokens = tokens;
+      ls.blocks.assign(slots.begin() + static_cast<std::ptrdiff_t>(std::size_t{l} * blocks),
+                       slots.begin() + static_cast<std::ptrdiff_t>(std::size_t{l + 1} * blocks));
+    }
+    // Stage now what every step attends to (the sinks and the full blocks of the recent
+    // window), or, for the dense baseline, every full block. The partial last block is left to
+    // the first append or attend: an append moves it first when it lies in read-only memory.
+    sources_.clear();
+    const std::uint32_t full = tokens / layout_.tokens_per_block;
+    for (const layer_state& ls : st.layers) {
+      if constexpr (stages_everything) {
+        for (std::uint32_t b = 0; b < full; ++b) {
+          sources_.push_back(ls.blocks[b]);
+        }
+      } else {
+        const std::uint32_t sinks = std::min(options_.sink_blocks, full);
+        const std::uint32_t recent_from =
+            std::max(sinks, blocks > options_.recent_blocks ? blocks - options_.recent_blocks : 0);
+        for (std::uint32_t b = 0; b < sinks; ++b) {
+          sources_.push_back(ls.blocks[b]);
+        }
+        for (std::uint32_t b = recent_from; b < full; ++b) {
+          sources_.push_back(ls.blocks[b]);
+        }
+      }
+    }
+    if (!sources_.empty()) {
+      try {
+        scheduler_.prefetch(sources_);
+      } catch (...) {
+        for (slot_id x : slots) {
+          release_capacity_slot(x);
+        }
+        throw;
+      }
+    }
+    const sequence_id id{next_sequence_++};
+    sequences_.emplace(id, std::move(st));
+    return id;
+  }
+
+  //! @brief Slots `[0, read_only_slots())` of the capacity tier are adopted only, never written.
+  std::uint32_t read_only_slots() const noexcept { return read_only_slots_; }
 
   //! @brief Drops the sequence and returns the blocks only it held.
   void remove(sequence_id seq) {
@@ -410,6 +547,71 @@ class tiered_kv_cache {
   struct empty_summaries {};
   using summary_store = std::conditional_t<has_summary, summary_type, empty_summaries>;
 
+  static transfer_type make_engine(slow_tier_type& slow) {
+    if constexpr (std::is_constructible_v<transfer_type, slow_tier_type&>) {
+      return transfer_type(slow);
+    } else {
+      (void)slow;
+      return transfer_type();
+    }
+  }
+
+  // The summaries of adopted blocks: loaded from `summaries` (`load`), else computed from the
+  // blocks, read in batches.
+  void summarize_adopted(std::uint32_t tokens, std::uint32_t blocks, std::span<const slot_id> slots,
+                         std::span<const std::byte> summaries, bool load) {
+    const std::uint32_t tpb = layout_.tokens_per_block;
+    auto filled = [&](std::size_t i) {
+      const std::uint32_t b = static_cast<std::uint32_t>(i % blocks);
+      return b + 1 < blocks ? tpb : tokens - b * tpb;
+    };
+    if constexpr (loads_summaries) {
+      if (load) {
+        const std::size_t wb = summaries_.wire_bytes();
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          summaries_.load(slots[i], summaries.subspan(i * wb, wb), filled(i));
+        }
+        return;
+      }
+    } else {
+      (void)summaries, (void)load;
+    }
+    constexpr std::size_t chunk = 64;
+    const std::size_t bb = layout_.block_bytes();
+    std::vector<std::byte> buffer;
+    std::vector<block_read> reads;
+    for (std::size_t first = 0; first < slots.size(); first += chunk) {
+      const std::size_t n = std::min(chunk, slots.size() - first);
+      const std::byte* base = nullptr;
+      if constexpr (!host_accessible_tier<slow_tier_type>) {
+        buffer.resize(n * bb);
+        reads.clear();
+        for (std::size_t i = 0; i < n; ++i) {
+          reads.push_back({slots[first + i], buffer.data() + i * bb});
+        }
+        if constexpr (batched_block_io_tier<slow_tier_type>) {
+          slow_.read_blocks(reads);
+        } else {
+          for (const block_read& r : reads) {
+            slow_.read_block(r.slot, r.out);
+          }
+        }
+        base = buffer.data();
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        const slot_id s = slots[first + i];
+        const std::byte* block = nullptr;
+        if constexpr (host_accessible_tier<slow_tier_type>) {
+          block = std::as_const(slow_).slot_data(s);
+        } else {
+          block = base + i * bb;
+        }
+        summaries_.reset(s);
+        summaries_.update(s, block, 0, filled(first + i));
+      }
+    }
+  }
+
   static summary_store make_summaries(const kv_layout& l, std::uint32_t n) {
     l.validate();
     if constexpr (has_summary) {
@@ -464,6 +666,25 @@ class tiered_kv_cache {
       return *s;
     }
     slot_id& current = ls.blocks.back();
+    if (current < read_only_slots_) {
+      // An adopted block in read-only memory (a prefill node's): its tokens and the new ones go
+      // to a slot of the cache's own.
+      const auto fresh = capacity_.allocate();
+      if (!fresh) [[unlikely]] {
+        detail::raise(errc::capacity_exceeded, "append: no capacity slot left to copy read-only ",
+                      "block ", ls.blocks.size() - 1, " (slot ", current, ") for its writer");
+      }
+      try {
+        copy_capacity_block(current, *fresh, offset);
+      } catch (...) {
+        capacity_.deallocate(*fresh);
+        throw;
+      }
+      release_capacity_slot(current);
+      current = *fresh;
+      ls.tail.clear();  // re-read from the new slot by `write_rows`
+      return current;
+    }
     const auto cow = capacity_.prepare_write(current);
     if (!cow) [[unlikely]] {
       detail::raise(errc::capacity_exceeded, "append: no capacity slot left to copy shared block ",
@@ -667,6 +888,7 @@ class tiered_kv_cache {
   std::uint64_t next_sequence_ = 1;
   std::vector<slot_id> sources_;
   cache_stats stats_{};
+  std::uint32_t read_only_slots_ = 0;
 };
 
 }  // namespace oasiskv

@@ -189,3 +189,124 @@ TEST_CASE("refcounted_allocator: 100k random fork/write/release operations") {
     }
   }
 }
+
+TEST_CASE("free_list_allocator: take hands out one particular slot") {
+  free_list_allocator a(4);
+  a.take(2);
+  CHECK(a.is_allocated(2));
+  CHECK(a.available() == 3);
+  expect_error([&] { a.take(2); }, errc::invalid_argument, "take(slot 2)");
+  expect_error([&] { a.take(4); }, errc::invalid_slot, "take(slot 4)");
+  CHECK(a.available() == 3);
+  std::set<slot_id> rest;
+  while (auto s = a.allocate()) {
+    rest.insert(*s);
+  }
+  CHECK(rest == std::set<slot_id>{0, 1, 3});
+  a.deallocate(2);
+  a.take(2);  // a freed slot can be taken again
+  CHECK(a.available() == 0);
+}
+
+TEST_CASE("refcounted_allocator: adopt and reserve") {
+  refcounted_allocator<free_list_allocator> a(6);
+  // A free pool slot is adopted: taken out of the pool with one holder.
+  a.adopt(4);
+  CHECK(a.use_count(4) == 1);
+  CHECK(a.available() == 5);
+  expect_error([&] { a.adopt(4); }, errc::invalid_argument,
+               "adopt(slot 4): slot is already in use");
+  expect_error([&] { a.adopt(6); }, errc::invalid_slot, "adopt(slot 6)");
+  a.retain(4);
+  expect_error([&] { a.adopt(4); }, errc::invalid_argument, "(2 holders)");
+  a.deallocate(4);
+  a.deallocate(4);
+  CHECK(a.available() == 6);  // back to the pool
+  // Reserved slots are never allocated; adopted, they return to the reserve.
+  a.reserve(0);
+  a.reserve(1);
+  expect_error([&] { a.reserve(1); }, errc::invalid_argument,
+               "reserve(slot 1): slot is already reserved");
+  expect_error([&] { a.reserve(9); }, errc::invalid_slot, "reserve(slot 9)");
+  const slot_id held = *a.allocate();
+  expect_error([&] { a.reserve(held); }, errc::invalid_argument, "in use");
+  a.deallocate(held);
+  CHECK(a.available() == 4);
+  std::set<slot_id> got;
+  while (auto s = a.allocate()) {
+    got.insert(*s);
+  }
+  CHECK(got == std::set<slot_id>{2, 3, 4, 5});
+  a.adopt(1);
+  CHECK(a.use_count(1) == 1);
+  a.retain(1);
+  auto w = a.prepare_write(1);  // shared: copy-on-write needs a free slot, none left
+  CHECK_FALSE(w.has_value());
+  a.deallocate(1);
+  a.deallocate(1);
+  CHECK(a.use_count(1) == 0);
+  CHECK(a.is_reserved(1));
+  CHECK(a.available() == 0);  // not in the pool
+  expect_error([&] { a.deallocate(1); }, errc::double_free, "deallocate(slot 1)");
+  a.adopt(1);  // and can be adopted again
+  CHECK(a.use_count(1) == 1);
+}
+
+TEST_CASE("refcounted_allocator: 50k random operations with adopted and reserved slots") {
+  constexpr std::size_t capacity = 48;
+  constexpr slot_id reserved = 16;  // slots [0, 16) are adopt-only
+  refcounted_allocator<free_list_allocator> a(capacity);
+  for (slot_id s = 0; s < reserved; ++s) {
+    a.reserve(s);
+  }
+  std::map<slot_id, std::uint32_t> model;
+  std::mt19937 rng(7);
+  for (int op = 0; op < 50000; ++op) {
+    const unsigned r = rng() % 5;
+    if (r == 0) {
+      auto s = a.allocate();
+      std::size_t pool_held = 0;
+      for (auto [slot, n] : model) {
+        pool_held += slot >= reserved;
+      }
+      REQUIRE(s.has_value() == (pool_held < capacity - reserved));
+      if (s) {
+        REQUIRE(*s >= reserved);
+        REQUIRE_FALSE(model.contains(*s));
+        model[*s] = 1;
+      }
+    } else if (r == 1) {
+      const auto s = static_cast<slot_id>(rng() % (capacity + 2));
+      if (s >= capacity) {
+        expect_error([&] { a.adopt(s); }, errc::invalid_slot, "adopt(slot " + std::to_string(s));
+      } else if (model.contains(s)) {
+        expect_error([&] { a.adopt(s); }, errc::invalid_argument, "already in use");
+      } else {
+        a.adopt(s);
+        model[s] = 1;
+      }
+    } else if (!model.empty()) {
+      auto it = model.begin();
+      std::advance(it, static_cast<long>(rng() % model.size()));
+      const slot_id s = it->first;
+      if (r == 2) {
+        a.retain(s);
+        ++it->second;
+      } else {
+        a.deallocate(s);
+        if (--it->second == 0) {
+          model.erase(it);
+        }
+      }
+    }
+    std::size_t pool_held = 0;
+    for (auto [slot, n] : model) {
+      pool_held += slot >= reserved;
+    }
+    REQUIRE(a.available() == capacity - reserved - pool_held);
+  }
+  for (auto [s, n] : model) {
+    CHECK(a.use_count(s) == n);
+    CHECK(a.is_reserved(s) == (s < reserved));
+  }
+}

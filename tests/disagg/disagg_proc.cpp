@@ -1,6 +1,7 @@
 // Helper process of the disaggregation tests.
-//   disagg_proc export <requests> <tokens> <lease_ms> <lifetime_s> [first_seq]
-//     publishes requests first_seq.. with the test pattern, prints "port <p>", serves.
+//   disagg_proc export <requests> <tokens> <lease_ms> <lifetime_s> [first_seq] [kv]
+//     publishes requests first_seq.. with the test pattern (`kv`: finite f16 KV), prints
+//     "port <p>", serves.
 //   disagg_proc decode <port> <seq> <lifetime_s>
 //     opens <seq> (heartbeats on), prints "opened", then idles until killed or lifetime ends.
 // Both exit by themselves after <lifetime_s>, and when their parent dies.
@@ -32,7 +33,7 @@ int main(int argc, char** argv) {
           disagg_test::layout.num_layers * disagg_test::layout.blocks_for(tokens);
       kv_exporter e(disagg_test::layout, requests * per + 8, o);
       for (std::uint64_t s = first; s < first + requests; ++s) {
-        disagg_test::publish_pattern(e, s, tokens);
+        disagg_test::publish_pattern(e, s, tokens, argc > 7 && std::string(argv[7]) == "kv");
       }
       std::printf("port %u\n", e.port());
       std::fflush(stdout);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -52,14 +53,28 @@ inline void fill_block(std::byte* out, std::uint64_t seq, std::uint32_t layer, s
   }
 }
 
-//! Publishes request `seq` of `tokens` tokens with the pattern.
+//! Like `fill_block`, but every element a finite f16 in [-2, 2] (attention over it is
+//! meaningful): KV a model could have written.
+inline void fill_kv_block(std::byte* out, std::uint64_t seq, std::uint32_t layer,
+                          std::uint32_t block, std::size_t bytes) {
+  for (std::size_t i = 0; i + 1 < bytes; i += 2) {
+    const unsigned bits = std::to_integer<unsigned>(pattern(seq, layer, block, i)) |
+                          (std::to_integer<unsigned>(pattern(seq, layer, block, i + 1)) << 8);
+    const oasiskv::f16 v =
+        oasiskv::f16::from_float(static_cast<float>(static_cast<int>(bits % 2001) - 1000) / 500.0f);
+    std::memcpy(out + i, &v, 2);
+  }
+}
+
+//! Publishes request `seq` of `tokens` tokens with the pattern (`kv`: with `fill_kv_block`).
 inline void publish_pattern(oasiskv::disagg::kv_exporter& e, std::uint64_t seq,
-                            std::uint32_t tokens) {
+                            std::uint32_t tokens, bool kv = false) {
   const auto slots = e.allocate(seq, tokens);
   const std::uint32_t blocks = e.layout().blocks_for(tokens);
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    fill_block(e.slot_data(slots[i]), seq, static_cast<std::uint32_t>(i / blocks),
-               static_cast<std::uint32_t>(i % blocks), e.layout().block_bytes());
+    (kv ? fill_kv_block : fill_block)(
+        e.slot_data(slots[i]), seq, static_cast<std::uint32_t>(i / blocks),
+        static_cast<std::uint32_t>(i % blocks), e.layout().block_bytes());
   }
   e.publish(seq);
 }

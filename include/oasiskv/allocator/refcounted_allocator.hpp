@@ -24,6 +24,11 @@ struct cow_result {
 //! (`retain`), a slot returns to `A` when its last holder lets go (`deallocate`), and
 //! `prepare_write` gives a holder a private slot before it writes into a shared one
 //! (copy-on-write). Models `block_allocator`.
+//!
+//! Slots whose blocks come from elsewhere (a prefill node's memory, a restored prefix) enter
+//! through `adopt` instead of `allocate`. `reserve` keeps such a slot out of the pool for good:
+//! `allocate` never hands it out, and when its last holder lets go it returns to the reserve,
+//! not to the pool (its memory may be read-only, or another node's).
 template <block_allocator A>
 class refcounted_allocator {
  public:
@@ -31,7 +36,9 @@ class refcounted_allocator {
 
   template <class... Args>
   explicit refcounted_allocator(Args&&... args)
-      : base_(std::forward<Args>(args)...), counts_(base_.capacity(), 0) {}
+      : base_(std::forward<Args>(args)...),
+        counts_(base_.capacity(), 0),
+        reserved_(base_.capacity(), 0) {}
 
   //! @brief A slot with one holder, or nullopt when the pool is exhausted.
   std::optional<slot_id> allocate() {
@@ -45,10 +52,43 @@ class refcounted_allocator {
   //! @brief Drops one holder of `s`; the slot returns to the pool with the last one.
   void deallocate(slot_id s) {
     check_held(s, "deallocate");
-    if (--counts_[s] == 0) {
+    if (--counts_[s] == 0 && !reserved_[s]) {
       base_.deallocate(s);
     }
   }
+
+  //! @brief Takes free slot `s` out of the pool for good: only `adopt` can give it holders.
+  //! O(1). Throws `errc::invalid_slot` for a foreign id and `errc::invalid_argument` for a slot
+  //! in use or already reserved; nothing changes then.
+  void reserve(slot_id s) requires requires(A& a) { a.take(s); }
+  {
+    check_range(s, "reserve");
+    if (reserved_[s] || counts_[s] != 0) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "reserve(slot ", s, "): slot is already ",
+                    reserved_[s] ? "reserved" : "in use");
+    }
+    base_.take(s);
+    reserved_[s] = 1;
+  }
+
+  //! @brief Gives `s`, a slot whose block already exists, its first holder: a reserved slot, or
+  //! a free slot of the pool (taken out of it). O(1). Throws `errc::invalid_slot` for a foreign
+  //! id and `errc::invalid_argument` for a slot already in use; nothing changes then.
+  void adopt(slot_id s) requires requires(A& a) { a.take(s); }
+  {
+    check_range(s, "adopt");
+    if (counts_[s] != 0) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "adopt(slot ", s, "): slot is already in use (",
+                    counts_[s], counts_[s] == 1 ? " holder)" : " holders)");
+    }
+    if (!reserved_[s]) {
+      base_.take(s);
+    }
+    counts_[s] = 1;
+  }
+
+  //! @brief Whether `s` was reserved (held or not).
+  bool is_reserved(slot_id s) const noexcept { return s < reserved_.size() && reserved_[s] != 0; }
 
   //! @brief Adds a holder to `s` (a fork sharing the block).
   void retain(slot_id s) {
@@ -82,11 +122,14 @@ class refcounted_allocator {
   const A& base() const noexcept { return base_; }
 
  private:
-  void check_held(slot_id s, const char* what) const {
+  void check_range(slot_id s, const char* what) const {
     if (s >= counts_.size()) [[unlikely]] {
       detail::raise(errc::invalid_slot, what, "(slot ", s, "): not a slot of this pool of ",
                     counts_.size(), " slots");
     }
+  }
+  void check_held(slot_id s, const char* what) const {
+    check_range(s, what);
     if (counts_[s] == 0) [[unlikely]] {
       detail::raise(errc::double_free, what, "(slot ", s, "): slot is not allocated");
     }
@@ -94,6 +137,7 @@ class refcounted_allocator {
 
   A base_;
   std::vector<count_type> counts_;
+  std::vector<std::uint8_t> reserved_;  // [capacity]: 1 for a slot only `adopt` may hand out
 };
 
 }  // namespace oasiskv

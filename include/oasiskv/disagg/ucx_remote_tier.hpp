@@ -36,6 +36,9 @@ struct remote_tier_options {
 class ucx_remote_tier {
  public:
   static constexpr memory_kind memory = memory_kind::remote;
+  //! The exporter's memory is read-only here: a `composite_tier` over this tier keeps a cache
+  //! from allocating or writing its slots (they are only adopted).
+  static constexpr bool read_only = true;
 
   ucx_remote_tier(ucx_engine& engine, remote_tier_options options)
       : engine_(&engine), options_(std::move(options)) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <type_traits>
@@ -127,6 +128,56 @@ class minmax_summary {
     // Folding a token twice leaves the bounds unchanged, so the count saturates rather than throws.
     tokens_[b] = static_cast<std::uint16_t>(
         std::min<std::uint32_t>(tokens_[b] + count, layout_.tokens_per_block));
+  }
+
+  //! @brief Bytes `load` takes for one entry: `[num_kv_heads][2 (max, min)][head_dim]` f16.
+  std::size_t wire_bytes() const noexcept {
+    return std::size_t{layout_.num_kv_heads} * 2 * layout_.head_dim * sizeof(f16);
+  }
+
+  //! @brief Sets entry `b` from a summary computed elsewhere, of a block holding `tokens`
+  //! tokens: per KV head, the elementwise maximum then minimum key as f16 (little-endian, the
+  //! layout of `disagg::summarize_block`, whose outward rounding this keeps: f16 storage takes
+  //! the bits as they are, bf16 storage rounds the maximum up and the minimum down again).
+  //! A NaN bound is taken as unbounded. Later `update`s fold into it as into any entry.
+  //! Throws `errc::invalid_argument` unless `bytes` is exactly `wire_bytes()` long, and
+  //! `errc::out_of_range` unless `tokens` is in [1, tokens_per_block]; the entry is then
+  //! unchanged. O(bytes).
+  void load(std::uint32_t b, std::span<const std::byte> bytes, std::uint32_t tokens) {
+    check_entry(b);
+    if (bytes.size() != wire_bytes()) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "minmax_summary::load: entry ", b, " got ",
+                    bytes.size(), " bytes, expected ", wire_bytes(), " (", layout_.num_kv_heads,
+                    " kv heads x 2 x head_dim ", layout_.head_dim, " x f16)");
+    }
+    if (tokens == 0 || tokens > layout_.tokens_per_block) [[unlikely]] {
+      detail::raise(errc::out_of_range, "minmax_summary::load: entry ", b, " of ", tokens,
+                    " tokens; a block holds 1 to ", layout_.tokens_per_block);
+    }
+    const std::uint32_t d = layout_.head_dim;
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+      for (std::uint32_t which = 0; which < 2; ++which) {
+        for (std::uint32_t x = 0; x < d; ++x) {
+          f16 w;
+          std::memcpy(&w, bytes.data() + ((std::size_t{h} * 2 + which) * d + x) * sizeof(f16),
+                      sizeof(f16));
+          float v = w.to_float();
+          if (v != v) {
+            v = which == 0 ? inf : -inf;
+          }
+          Storage& out = at(h, b, which, x);
+          if constexpr (std::is_same_v<Storage, f16>) {
+            out = w.to_float() == v ? w : from_float<f16>(v);
+          } else {
+            out = which == 0 ? detail::round_up<Storage>(v) : detail::round_down<Storage>(v);
+          }
+          saturated_ |= detail::widen(out) == inf || detail::widen(out) == -inf;
+        }
+      }
+    }
+    bias_[b] = 0.0f;
+    tokens_[b] = static_cast<std::uint16_t>(tokens);
   }
 
   //! @brief `out[i * n + r]` = the bound of query row `r` (of `q`, `[n][head_dim]`) over entry
