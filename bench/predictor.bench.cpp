@@ -18,6 +18,10 @@
 //   lookahead_legacy_f16/<shape>/tokens:N        ... legacy_minmax_f16 (speedup_vs_f16 == 1)
 //   lookahead_minmax_softmax/<shape>/tokens:N    ... f16 with softmax_mass_aggregation
 //   lookahead_mean/<shape>/tokens:N              lookahead_predictor<mean_summary>
+//   lookahead_int8_keys/<shape>/tokens:N         ... int8_key_summary, max (exact block max)
+//   lookahead_int8_keys_mass/<shape>/tokens:N    ... int8_key_summary, softmax mass (exact mass)
+// (Every row names its aggregation: max unless said, as measured before softmax mass became
+// lookahead_predictor's default.)
 // Shapes: llama32k (32 q / 8 kv heads, head dim 128) and smollm2 (9 q / 3 kv, head dim 64), both
 // 32768 tokens of context in 16-token f16 blocks; budget 2048 tokens (128 blocks), 1 sink block,
 // 8 recent blocks.
@@ -40,6 +44,7 @@
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 
@@ -175,6 +180,7 @@ struct fixture {
   quantized_minmax_summary quantized;
   legacy_minmax_f16 legacy;
   mean_summary mean;
+  int8_key_summary int8_keys;
   std::vector<std::uint32_t> ids;
   std::vector<float> q;  // [8][num_q_heads][head_dim]
   double dense_read_s = 0.0;
@@ -187,6 +193,7 @@ struct fixture {
         quantized(layout, num_blocks),
         legacy(layout, num_blocks),
         mean(layout, num_blocks),
+        int8_keys(layout, num_blocks),
         ids(num_blocks) {
     std::mt19937 rng(42);
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -201,6 +208,7 @@ struct fixture {
       quantized.update(b, pool.slot_data(b), 0, tokens_per_block);
       legacy.update(b, pool.slot_data(b), 0, tokens_per_block);
       mean.update(b, pool.slot_data(b), 0, tokens_per_block);
+      int8_keys.update(b, pool.slot_data(b), 0, tokens_per_block);
     }
     std::iota(ids.begin(), ids.end(), 0u);
     q.resize(std::size_t{8} * layout.num_q_heads * layout.head_dim);
@@ -273,7 +281,7 @@ double time_calls(Predictor& p, const prediction_input<Summary>& in, selection& 
 // The legacy f16 predictor's time over this row's, in alternating batches: median of 7 ratios.
 template <class Predictor, class Summary>
 double speedup_vs_f16(fixture& f, Summary& s, std::uint32_t tokens) {
-  using legacy_predictor = lookahead_predictor<legacy_minmax_f16>;
+  using legacy_predictor = lookahead_predictor<legacy_minmax_f16, max_aggregation>;
   const auto in = input_of(f, s, tokens);
   const auto legacy_in = input_of(f, f.legacy, tokens);
   Predictor p;
@@ -316,23 +324,33 @@ void run_predictor(benchmark::State& state, Summary fixture::*summary) {
 }
 
 void bm_lookahead_minmax(benchmark::State& state) {
-  run_predictor<lookahead_predictor<minmax_summary<>>>(state, &fixture::minmax);
+  run_predictor<lookahead_predictor<minmax_summary<>, max_aggregation>>(state, &fixture::minmax);
 }
 void bm_lookahead_minmax_bf16(benchmark::State& state) {
-  run_predictor<lookahead_predictor<minmax_summary<bf16>>>(state, &fixture::minmax_bf16);
+  run_predictor<lookahead_predictor<minmax_summary<bf16>, max_aggregation>>(state,
+                                                                            &fixture::minmax_bf16);
 }
 void bm_lookahead_quantized(benchmark::State& state) {
-  run_predictor<lookahead_predictor<quantized_minmax_summary>>(state, &fixture::quantized);
+  run_predictor<lookahead_predictor<quantized_minmax_summary, max_aggregation>>(
+      state, &fixture::quantized);
 }
 void bm_lookahead_legacy_f16(benchmark::State& state) {
-  run_predictor<lookahead_predictor<legacy_minmax_f16>>(state, &fixture::legacy);
+  run_predictor<lookahead_predictor<legacy_minmax_f16, max_aggregation>>(state, &fixture::legacy);
 }
 void bm_lookahead_minmax_softmax(benchmark::State& state) {
   run_predictor<lookahead_predictor<minmax_summary<>, softmax_mass_aggregation>>(state,
                                                                                  &fixture::minmax);
 }
 void bm_lookahead_mean(benchmark::State& state) {
-  run_predictor<lookahead_predictor<mean_summary>>(state, &fixture::mean);
+  run_predictor<lookahead_predictor<mean_summary, max_aggregation>>(state, &fixture::mean);
+}
+
+void bm_lookahead_int8_keys(benchmark::State& state) {
+  run_predictor<lookahead_predictor<int8_key_summary, max_aggregation>>(state, &fixture::int8_keys);
+}
+void bm_lookahead_int8_keys_mass(benchmark::State& state) {
+  run_predictor<lookahead_predictor<int8_key_summary, softmax_mass_aggregation>>(
+      state, &fixture::int8_keys);
 }
 
 void shape_args(benchmark::internal::Benchmark* b) {
@@ -366,4 +384,10 @@ BENCHMARK(bm_lookahead_mean)
     ->Args({1, 4})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_int8_keys)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_int8_keys_mass)
+    ->Apply(shape_args)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
 BENCHMARK_MAIN();

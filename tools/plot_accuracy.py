@@ -22,18 +22,30 @@ METRICS = {
     "rel_recall": "recall relative to the oracle's",
     "l2": "relative L2 error of the attention output",
 }
-# (label, predictor, scoring, style): summary scoring is what deploys; exact keys bound it.
+# (label, predictor, scoring, style): summary scoring (min/max f16) and int8 / int4 scoring (key
+# copies: int8_key_summary, int4_key_summary) are what deploys; exact keys bound them.
 LINES = [
     ("lookahead 4 (summary)", "la4", "summary", "-"),
     ("lookahead 2 (summary)", "la2", "summary", "-"),
     ("lookahead 1 (summary)", "la1", "summary", "-"),
     ("previous query (summary)", "prev", "summary", "-"),
     ("current query / Quest (summary)", "cur", "summary", "-"),
+    ("lookahead 4 (int8 keys)", "la4", "int8", "-."),
+    ("lookahead 1 (int8 keys)", "la1", "int8", "-."),
+    ("previous query (int8 keys)", "prev", "int8", "-."),
+    ("current query / Quest (int8 keys)", "cur", "int8", "-."),
+    ("lookahead 4 (int4 keys)", "la4", "int4", "-."),
     ("lookahead 4 (exact keys)", "la4", "exact", "--"),
     ("previous query (exact keys)", "prev", "exact", "--"),
     ("recency", "recency", "-", ":"),
     ("random", "random", "-", ":"),
 ]
+
+
+def measured(row):
+    """A row that holds figures: a configuration evaluated on no sample (e.g. in an end-to-end
+    run with evaluation off) is missing, not zero."""
+    return row is not None and row.get("samples", 1) > 0
 
 
 def fmt_row(cells):
@@ -47,7 +59,7 @@ def markdown(doc, agg, block, gran):
 
     def get(pred, scoring, ag, g, b, budget, metric):
         row = res.get(f"{pred}/{scoring}/{ag}/{g}/b{b}/{budget}")
-        return "-" if row is None or metric not in row else f"{row[metric]:.3f}"
+        return "-" if not measured(row) or metric not in row else f"{row[metric]:.3f}"
 
     for metric in ["agree_free", "agree_all", "agree_next", "rel_recall", "recall", "l2"]:
         print(f"\n{metric} ({block}-token blocks, {gran}, aggregation {agg}):\n")
@@ -63,7 +75,7 @@ def markdown(doc, agg, block, gran):
         print(fmt_row(["scoring", "aggregation", "granularity", "16-token blocks",
                        "32-token blocks"]))
         print(fmt_row(["---"] * 5))
-        for scoring in ["summary", "exact"]:
+        for scoring in ["summary", "int8", "int4", "exact"]:
             for ag in ["max", "mass", "conf"]:
                 for g in ["shared", "per_head"]:
                     cells = []
@@ -85,7 +97,8 @@ def markdown(doc, agg, block, gran):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("json", nargs="+", help="results files (merged; later ones win)")
+    ap.add_argument("json", nargs="+",
+                    help="results files (merged; later ones win, except unmeasured rows)")
     ap.add_argument("--out-dir")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--agg", default="mass")
@@ -98,7 +111,7 @@ def main():
         if doc is None:
             doc = d
         else:
-            doc["results"].update(d["results"])
+            doc["results"].update({k: v for k, v in d["results"].items() if measured(v)})
     res = doc["results"]
     if a.markdown:
         markdown(doc, a.agg, a.block, a.gran)
@@ -106,6 +119,7 @@ def main():
     os.makedirs(a.out_dir, exist_ok=True)
     for metric, title in METRICS.items():
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more lines than the default 10 colours
         for label, pred, scoring, style in LINES:
             agg = "-" if scoring == "-" else a.agg
             pts = []
@@ -114,6 +128,8 @@ def main():
                 if len(parts) != 6 or parts[0] != pred or parts[1] != scoring:
                     continue
                 if parts[2] != agg or parts[3] != a.gran or parts[4] != f"b{a.block}":
+                    continue
+                if not measured(row):
                     continue
                 pts.append((int(parts[5]), row[metric]))
             if pts:

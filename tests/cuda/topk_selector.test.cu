@@ -78,7 +78,8 @@ std::vector<std::vector<std::uint32_t>> cpu_select(setup& st, const std::vector<
           p;
       p.select(in, sp, sel);
     } else {
-      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>> p;
+      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>, oasiskv::max_aggregation>
+          p;
       p.select(in, sp, sel);
     }
     for (std::uint32_t t = 0; t < sel.tables; ++t) {

@@ -32,11 +32,13 @@ struct bundle {
 template <class... Ts>
 struct type_list {};
 
-// Every shipped predictor (each summary, aggregation and granularity at least once).
+// Every shipped predictor (each summary, aggregation and granularity at least once; the
+// default aggregation is softmax mass).
 using predictors =
     type_list<lookahead_predictor<minmax_summary<>>, lookahead_predictor<mean_summary>,
               lookahead_predictor<minmax_summary<>, max_aggregation>,
-              lookahead_predictor<minmax_summary<>, softmax_mass_aggregation>,
+              lookahead_predictor<int8_key_summary>,
+              lookahead_predictor<int4_key_summary, confidence_weighted_aggregation>,
               lookahead_predictor<minmax_summary<>, max_aggregation, per_kv_head_selection>,
               current_query_predictor<minmax_summary<>>, recency_predictor, oracle_predictor<>>;
 

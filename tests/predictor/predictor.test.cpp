@@ -25,6 +25,7 @@
 #include "oasiskv/predictor/recency_predictor.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "support/kv_fixture.hpp"
 
@@ -179,8 +180,10 @@ constexpr bool per_head = P::granularity_type::per_kv_head;
 }  // namespace
 
 #define OASISKV_PREDICTORS                                                                    \
-  lookahead_predictor<minmax_summary<>>, lookahead_predictor<mean_summary>,                   \
-      lookahead_predictor<minmax_summary<>, softmax_mass_aggregation>,                        \
+  lookahead_predictor<minmax_summary<>, max_aggregation>, lookahead_predictor<mean_summary>,  \
+      lookahead_predictor<minmax_summary<>>, lookahead_predictor<int8_key_summary>,           \
+      lookahead_predictor<int4_key_summary, max_aggregation, per_kv_head_selection>,          \
+      lookahead_predictor<int8_key_summary, confidence_weighted_aggregation>,                 \
       lookahead_predictor<minmax_summary<bf16>, confidence_weighted_aggregation,              \
                           per_kv_head_selection>,                                             \
       lookahead_predictor<minmax_summary<float>, max_aggregation, per_kv_head_selection>,     \
@@ -489,7 +492,7 @@ TEST_CASE("lookahead_predictor<minmax_summary>: finds blocks with planted high-s
   w.rebuild();
   const selection_params sp{16, 1, 1};
   selection shared, heads;
-  lookahead_predictor<minmax_summary<>>{}.select(w.input(), sp, shared);
+  lookahead_predictor<minmax_summary<>, max_aggregation>{}.select(w.input(), sp, shared);
   lookahead_predictor<minmax_summary<>, max_aggregation, per_kv_head_selection>{}.select(w.input(),
                                                                                          sp, heads);
   for (std::uint32_t i = 0; i < 5; ++i) {
@@ -585,8 +588,9 @@ TEST_CASE_TEMPLATE("faster summaries select what the exact f32 min/max bound sel
     plant(ref, planted);
     plant(fast, planted);
     selection want_shared, got_shared, want_heads, got_heads;
-    lookahead_predictor<minmax_summary<float>>{}.select(ref.input(), sp, want_shared);
-    lookahead_predictor<S>{}.select(fast.input(), sp, got_shared);
+    lookahead_predictor<minmax_summary<float>, max_aggregation>{}.select(ref.input(), sp,
+                                                                         want_shared);
+    lookahead_predictor<S, max_aggregation>{}.select(fast.input(), sp, got_shared);
     lookahead_predictor<minmax_summary<float>, max_aggregation, per_kv_head_selection>{}.select(
         ref.input(), sp, want_heads);
     lookahead_predictor<S, max_aggregation, per_kv_head_selection>{}.select(fast.input(), sp,

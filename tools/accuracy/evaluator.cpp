@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 
 #include "oasiskv/core/dtype.hpp"
@@ -22,7 +23,7 @@ struct scored_predictor {
 };
 constexpr scored_predictor scored[] = {
     {"cur", ~0u}, {"prev", 0}, {"la1", 1}, {"la2", 2}, {"la4", 4}};  // cur first: see agree_next
-constexpr const char* scorings[] = {"exact", "summary"};
+constexpr const char* scorings[] = {"exact", "summary", "int8", "int4"};
 constexpr const char* grans[] = {"shared", "per_head"};
 
 std::uint32_t intersect(const std::vector<std::uint32_t>& a, const std::vector<std::uint32_t>& b,
@@ -63,8 +64,12 @@ evaluator::evaluator(const eval_shape& s, std::vector<std::uint32_t> block_sizes
                                t, oasiskv::dtype::f16};
     l.validate();
     summaries_.emplace_back();
+    int8_.emplace_back();
+    int4_.emplace_back();
     for (std::uint32_t layer = 0; layer < s.num_layers; ++layer) {
       summaries_.back().emplace_back(l, l.blocks_for(s.capacity_tokens));
+      int8_.back().emplace_back(l, l.blocks_for(s.capacity_tokens));
+      int4_.back().emplace_back(l, l.blocks_for(s.capacity_tokens));
     }
     slot_bytes = std::max(slot_bytes, l.block_bytes());
     max_blocks = std::max(max_blocks, l.blocks_for(s.capacity_tokens));
@@ -118,6 +123,8 @@ void evaluator::append(std::uint32_t layer, std::uint32_t pos, const float* k) {
       }
     }
     summaries_[i][layer].update(pos / t, slot_.data(), first, 1);
+    int8_[i][layer].update(pos / t, slot_.data(), first, 1);
+    int4_[i][layer].update(pos / t, slot_.data(), first, 1);
   }
 }
 
@@ -192,11 +199,16 @@ void evaluator::evaluate(std::uint32_t layer, std::uint32_t len, const float* ke
       }
     }
     // Raw scores [kv][block][row]: exact block max of q.k, exact block log-sum-exp (divided by
-    // the scale, so softmax-mass aggregation over it gives each row's exact block mass), and
-    // the min/max summary's bound.
+    // the scale, so softmax-mass aggregation over it gives each row's exact block mass), the
+    // min/max summary's bound, and the int8 and int4 key summaries' max and log-mass (what the
+    // library's predictor reads for max and for mass aggregation).
     raw_max_.resize(std::size_t{KH} * nb * rows);
     raw_lse_.resize(raw_max_.size());
     raw_sum_.resize(raw_max_.size());
+    raw_i8max_.resize(raw_max_.size());
+    raw_i8lse_.resize(raw_max_.size());
+    raw_i4max_.resize(raw_max_.size());
+    raw_i4lse_.resize(raw_max_.size());
     for (std::uint32_t hk = 0; hk < KH; ++hk) {
       for (std::uint32_t r = 0; r < rows; ++r) {
         const float* s = logits_.data() + (std::size_t{hk} * rows + r) * len;
@@ -217,6 +229,16 @@ void evaluator::evaluate(std::uint32_t layer, std::uint32_t len, const float* ke
       summaries_[bs.index][layer].score(hk, std::span<const std::uint32_t>(ids_.data(), nb),
                                         qrows_.data() + std::size_t{hk} * rows * D, rows,
                                         raw_sum_.data() + std::size_t{hk} * nb * rows);
+      const std::span<const std::uint32_t> ids(ids_.data(), nb);
+      const float* qr = qrows_.data() + std::size_t{hk} * rows * D;
+      int8_[bs.index][layer].score(hk, ids, qr, rows,
+                                   raw_i8max_.data() + std::size_t{hk} * nb * rows);
+      int8_[bs.index][layer].score_log_mass(hk, ids, qr, rows, scale,
+                                            raw_i8lse_.data() + std::size_t{hk} * nb * rows);
+      int4_[bs.index][layer].score(hk, ids, qr, rows,
+                                   raw_i4max_.data() + std::size_t{hk} * nb * rows);
+      int4_[bs.index][layer].score_log_mass(hk, ids, qr, rows, scale,
+                                            raw_i4lse_.data() + std::size_t{hk} * nb * rows);
     }
     weights_.assign(w_prev, w_prev + n_prev);
     score_and_record(bs, nb, len);
@@ -237,7 +259,8 @@ void evaluator::score_and_record(per_block_size& bs, std::uint32_t nb, std::uint
   table_set sel, oracle;
   std::vector<table_set> oracles(budgets_.size());
   // [scoring * 2 + (aggregation != max)][budget]: the current query's selections
-  std::vector<std::vector<table_set>> nexts(4, std::vector<table_set>(budgets_.size()));
+  std::vector<std::vector<table_set>> nexts(2 * std::size(scorings),
+                                            std::vector<table_set>(budgets_.size()));
   std::uint32_t next_slot = 0;
   bool is_cur = false;
   for (const char* gran : grans) {
@@ -279,14 +302,15 @@ void evaluator::score_and_record(per_block_size& bs, std::uint32_t nb, std::uint
         t1 = std::min(p.drafts + 1, n_prev);  // fewer drafts proposed: what there is
       }
       const std::uint32_t nsub = (t1 - t0) * G;
-      for (const char* scoring : scorings) {
-        const bool exact = std::string(scoring) == "exact";
+      for (std::uint32_t si = 0; si < std::size(scorings); ++si) {
         const std::uint32_t naggs = (p.drafts != 0 && p.drafts != ~0u) ? 3 : 2;
         for (std::uint32_t ai = 0; ai < naggs; ++ai) {
           is_cur = p.drafts == ~0u;
-          next_slot = (exact ? 0u : 2u) + (ai == 0 ? 0u : 1u);
-          const float* raw =
-              exact ? (ai == 0 ? raw_max_.data() : raw_lse_.data()) : raw_sum_.data();
+          next_slot = 2 * si + (ai == 0 ? 0u : 1u);
+          const float* raw = si == 0   ? (ai == 0 ? raw_max_.data() : raw_lse_.data())
+                             : si == 1 ? raw_sum_.data()
+                             : si == 2 ? (ai == 0 ? raw_i8max_.data() : raw_i8lse_.data())
+                                       : (ai == 0 ? raw_i4max_.data() : raw_i4lse_.data());
           const oasiskv::aggregation_context ctx{nb, nsub, G, scale,
                                                  p.drafts == ~0u ? nullptr : weights_.data()};
           acc_.resize(std::size_t{tables} * nb);

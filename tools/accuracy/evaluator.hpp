@@ -14,6 +14,7 @@
 #include "oasiskv/predictor/aggregation.hpp"
 #include "oasiskv/predictor/block_selector.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/quantized_key_summary.hpp"
 
 namespace accuracy {
 
@@ -44,7 +45,7 @@ class evaluator {
             std::vector<std::uint32_t> budgets, std::uint64_t seed);
 
   //! Folds the key of position `pos` (`[kv_heads][head_dim]`, f16-rounded) of `layer` into
-  //! every block size's min/max summary, as the cache does on append.
+  //! every block size's min/max, int8 and int4 key summaries, as the cache does on append.
   void append(std::uint32_t layer, std::uint32_t pos, const float* k);
 
   //! One sample: `len` committed keys/values `[len][kv_heads][head_dim]` of `layer` (the true
@@ -68,12 +69,16 @@ class evaluator {
   std::vector<std::uint32_t> block_sizes_, budgets_;
   std::vector<eval_config> configs_;
   std::vector<std::vector<oasiskv::minmax_summary<>>> summaries_;  // [block size][layer]
+  std::vector<std::vector<oasiskv::int8_key_summary>> int8_;       // [block size][layer]
+  std::vector<std::vector<oasiskv::int4_key_summary>> int4_;       // [block size][layer]
   std::vector<std::byte> slot_;                                    // one f16 block, for update()
   std::vector<std::uint32_t> ids_;                                 // 0, 1, 2, ... entries
   std::mt19937_64 rng_;
   std::uint64_t samples_ = 0;
   // scratch of one sample
   std::vector<float> qrows_, logits_, probs_, raw_sum_, raw_max_, raw_lse_, sub_, acc_;
+  std::vector<float> raw_i8max_, raw_i8lse_;  // the int8 key summary: max, log-mass
+  std::vector<float> raw_i4max_, raw_i4lse_;  // the int4 key summary: max, log-mass
   std::vector<float> mass_, numer_, dense_out_, sparse_out_;
   std::uint32_t ntok_ = 0, len_ = 0;
   const float* values_ = nullptr;

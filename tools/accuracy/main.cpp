@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
   app.add_option("--budgets", budgets, "budgets in tokens");
   app.add_option("--blocks", blocks, "block sizes in tokens");
   app.add_option("--e2e", e2e_specs,
-                 "sparse-in-the-loop runs, pred:agg:budget (pred la1 la2 la4 prev cur recency)");
+                 "sparse-in-the-loop runs, pred:agg:budget[:scoring] (pred la1 la2 la4 prev cur "
+                 "recency; scoring summary (min/max f16, the default), int8 or int4 (key copies))");
   app.add_option("--json", json_path, "write every figure here");
   app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");
   app.add_option("--seed", seed, "random predictor and sampled text");
@@ -145,6 +146,9 @@ int main(int argc, char** argv) {
     std::map<std::string, std::map<std::string, double>> results;
     for (const accuracy::eval_config& e : ev.configs()) {
       const auto& s = e.sums;
+      if (s.n == 0) {  // not evaluated (e.g. --eval-every past the run): missing, not zero
+        continue;
+      }
       auto& row = results[e.name];
       row["agree_all"] = s.n ? s.agree_all / s.n : 0;
       row["agree_free"] = s.n_free ? s.agree_free / s.n_free : 0;
@@ -166,13 +170,24 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "dense held-out {:.1f} s\n", since(t1));
     for (const std::string& spec : e2e_specs) {
       accuracy::sparse_config sc;
-      const auto a = spec.find(':'), b = spec.rfind(':');
-      if (a == std::string::npos || a == b) {
-        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget");
+      std::vector<std::string> parts;
+      for (std::size_t at = 0;;) {
+        const auto next = spec.find(':', at);
+        parts.push_back(spec.substr(at, next == std::string::npos ? next : next - at));
+        if (next == std::string::npos) {
+          break;
+        }
+        at = next + 1;
       }
-      sc.pred = spec.substr(0, a);
-      sc.agg = spec.substr(a + 1, b - a - 1);
-      sc.budget = static_cast<std::uint32_t>(std::stoul(spec.substr(b + 1)));
+      if (parts.size() != 3 && parts.size() != 4) {
+        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring]");
+      }
+      sc.pred = parts[0];
+      sc.agg = parts[1];
+      sc.budget = static_cast<std::uint32_t>(std::stoul(parts[2]));
+      if (parts.size() == 4) {
+        sc.scoring = parts[3];
+      }
       sc.block = blocks.front();
       t1 = clock_type::now();
       const accuracy::run_result sg = r.forced(greedy.tokens, &sc);
@@ -202,9 +217,9 @@ int main(int argc, char** argv) {
       if (name.rfind("e2e/", 0) == 0) {
         continue;
       }
-      fmt::print("{:<44} {:>9.4f} {:>10.4f} {:>7.4f} {:>10.4f} {:>8.4f}\n", name,
-                 row.at("agree_all"), row.at("agree_free"), row.at("recall"), row.at("rel_recall"),
-                 row.at("l2"));
+      fmt::print("{:<44} {:>9.4f} {:>10.4f} {:>10.4f} {:>7.4f} {:>10.4f} {:>8.4f}\n", name,
+                 row.at("agree_all"), row.at("agree_free"), row.at("agree_next"), row.at("recall"),
+                 row.at("rel_recall"), row.at("l2"));
     }
     for (const auto& [name, row] : results) {
       if (name.rfind("e2e/", 0) == 0) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <span>
 
 #include "common.hpp"
 #include "draft.hpp"
@@ -17,23 +18,48 @@
 namespace accuracy {
 
 std::string sparse_config::name() const {
-  return pred + "/summary/" + agg + "/shared/b" + std::to_string(block) + "/" +
+  return pred + "/" + scoring + "/" + agg + "/shared/b" + std::to_string(block) + "/" +
          std::to_string(budget);
 }
 
-using summary = oasiskv::minmax_summary<>;
+// The library predictors of one summary type, and its per-layer entries.
+template <class S>
+struct predictors {
+  std::vector<S> summaries;  // [layer]
+  oasiskv::lookahead_predictor<S, oasiskv::max_aggregation> la_max;
+  oasiskv::lookahead_predictor<S, oasiskv::softmax_mass_aggregation> la_mass;
+  oasiskv::lookahead_predictor<S, oasiskv::confidence_weighted_aggregation> la_conf;
+  oasiskv::current_query_predictor<S> quest;
+
+  // Selects for layer l: Quest from `current` when `cur`, else the lookahead with `agg`.
+  void select(const sparse_config& sc, std::uint32_t l, const oasiskv::kv_layout& layout,
+              std::uint32_t len, std::span<const std::uint32_t> ids, oasiskv::query_view prev,
+              oasiskv::query_view current, const oasiskv::selection_params& sp,
+              oasiskv::selection& sel) {
+    oasiskv::prediction_input<S> in{layout, len, &summaries[l], ids, prev, {}, {}};
+    if (sc.pred == "cur") {
+      in.queries = current;
+      quest.select(in, sp, sel);
+    } else if (sc.agg == "mass") {
+      la_mass.select(in, sp, sel);
+    } else if (sc.agg == "conf") {
+      la_conf.select(in, sp, sel);
+    } else {
+      la_max.select(in, sp, sel);
+    }
+  }
+};
 
 // One sparse run's summaries (its own keys: in the loop they drift from the dense run's) and
 // the library predictors it selects with.
 struct runner::sparse_state {
   oasiskv::kv_layout layout;
-  std::vector<summary> summaries;  // [layer]
+  int kind = 0;  // which summary the run scores with: 0 min/max, 8 int8, 4 int4 keys
+  predictors<oasiskv::minmax_summary<>> minmax;
+  predictors<oasiskv::int8_key_summary> keys8;
+  predictors<oasiskv::int4_key_summary> keys4;
   std::vector<std::byte> slot;
   std::vector<std::uint32_t> ids;
-  oasiskv::lookahead_predictor<summary, oasiskv::max_aggregation> la_max;
-  oasiskv::lookahead_predictor<summary, oasiskv::softmax_mass_aggregation> la_mass;
-  oasiskv::lookahead_predictor<summary, oasiskv::confidence_weighted_aggregation> la_conf;
-  oasiskv::current_query_predictor<summary> quest;
   oasiskv::block_selector selector;
   oasiskv::selection sel;
   std::vector<float> recency;
@@ -52,7 +78,13 @@ struct runner::sparse_state {
         }
       }
     }
-    summaries[l].update(b, slot.data(), first, count);
+    if (kind == 8) {
+      keys8.summaries[l].update(b, slot.data(), first, count);
+    } else if (kind == 4) {
+      keys4.summaries[l].update(b, slot.data(), first, count);
+    } else {
+      minmax.summaries[l].update(b, slot.data(), first, count);
+    }
   }
 };
 
@@ -111,8 +143,18 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
     for (std::uint32_t i = 0; i < cap; ++i) {
       ss->ids[i] = i;
     }
+    if (sparse->scoring != "summary" && sparse->scoring != "int8" && sparse->scoring != "int4") {
+      mini_decoder::fail("--e2e scoring '", sparse->scoring, "' is not summary, int8 or int4");
+    }
+    ss->kind = sparse->scoring == "int8" ? 8 : (sparse->scoring == "int4" ? 4 : 0);
     for (std::uint32_t l = 0; l < L; ++l) {
-      ss->summaries.emplace_back(ss->layout, cap);
+      if (ss->kind == 8) {
+        ss->keys8.summaries.emplace_back(ss->layout, cap);
+      } else if (ss->kind == 4) {
+        ss->keys4.summaries.emplace_back(ss->layout, cap);
+      } else {
+        ss->minmax.summaries.emplace_back(ss->layout, cap);
+      }
       for (std::uint32_t t0 = 0; t0 < P; t0 += sparse->block) {
         ss->update(l, t0 / sparse->block, 0, K[l].data() + std::size_t{t0} * kv_dim_,
                    std::min(sparse->block, P - t0));
@@ -200,23 +242,15 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
           } else if (sparse->pred.rfind("la", 0) == 0) {
             tok = std::min<std::uint32_t>(std::stoi(sparse->pred.substr(2)) + 1, prevn[l]);
           }
-          oasiskv::prediction_input<summary> in{
-              ss->layout,
-              len,
-              &ss->summaries[l],
-              std::span<const std::uint32_t>(ss->ids.data(), nb),
-              oasiskv::query_view{prevq[l].data(), prevw[l].data(), tok},
-              {},
-              {}};
-          if (sparse->pred == "cur") {
-            in.queries = oasiskv::query_view{q, nullptr, rows};
-            ss->quest.select(in, sp, ss->sel);
-          } else if (sparse->agg == "mass") {
-            ss->la_mass.select(in, sp, ss->sel);
-          } else if (sparse->agg == "conf") {
-            ss->la_conf.select(in, sp, ss->sel);
+          const std::span<const std::uint32_t> ids(ss->ids.data(), nb);
+          const oasiskv::query_view prev{prevq[l].data(), prevw[l].data(), tok};
+          const oasiskv::query_view current{q, nullptr, rows};
+          if (ss->kind == 8) {
+            ss->keys8.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
+          } else if (ss->kind == 4) {
+            ss->keys4.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           } else {
-            ss->la_max.select(in, sp, ss->sel);
+            ss->minmax.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           }
           blocks.assign(ss->sel.blocks.begin(), ss->sel.blocks.end());
         }

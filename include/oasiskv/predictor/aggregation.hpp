@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <vector>
 
 namespace oasiskv {
@@ -100,6 +102,9 @@ class softmax_mass {
 //! gets. Every draft has one unit of mass to give, so a block that all drafts want moderately
 //! outranks one that a single draft wants strongly, the opposite of `max_aggregation`.
 struct softmax_mass_aggregation {
+  //! Folds softmax mass: a summary's `score_log_mass` (see `log_mass_summary`) makes it exact.
+  static constexpr bool sums_softmax_mass = true;
+
   void combine(const aggregation_context& c, const float* raw, float* acc, bool first) {
     mass_.combine(c, raw, acc, first, [](std::uint32_t) { return 1.0f; });
   }
@@ -112,6 +117,8 @@ struct softmax_mass_aggregation {
 //! confidence (`query_view::weights`, e.g. the draft model's probability of the token; all 1
 //! when null), so an unlikely draft moves the selection little.
 struct confidence_weighted_aggregation {
+  static constexpr bool sums_softmax_mass = true;
+
   void combine(const aggregation_context& c, const float* raw, float* acc, bool first) {
     const float* w = c.weights;
     mass_.combine(c, raw, acc, first,
@@ -120,6 +127,30 @@ struct confidence_weighted_aggregation {
 
  private:
   detail::softmax_mass mass_;
+};
+
+//! @brief An aggregation that folds per-row softmax mass over blocks (it declares
+//! `static constexpr bool sums_softmax_mass = true`): `softmax_mass_aggregation`,
+//! `confidence_weighted_aggregation`.
+template <class A>
+concept mass_aggregation = requires {
+  requires A::sums_softmax_mass;
+};
+
+//! @brief A `block_summary` that also provides, as an optional expression,
+//! `cs.score_log_mass(h, entries, q, n, scale, out)`: `out[i * n + r]` =
+//! `log(sum_t exp(scale * dot(q_r, k_t))) / scale` over the keys `k_t` (as the summary holds
+//! them) of KV head `h` in entry `entries[i]`, at the attention logit scale `scale`
+//! (`aggregation_context::scale`); `-inf` for an empty entry. It is in the units of `score` (a
+//! soft maximum of the same dot products), so the predictor passes it to a `mass_aggregation`
+//! in place of `score`: the softmax over blocks of `scale * out` is then each block's exact
+//! share of the row's attention, where the max (a bound or not) only estimates it, at best, as
+//! if one token took the block's whole mass. Models: `quantized_key_summary<Bits>`.
+template <class S>
+concept log_mass_summary = requires(const S& cs, std::uint32_t h,
+                                    std::span<const std::uint32_t> entries, const float* q,
+                                    std::uint32_t n, float scale, float* out) {
+  { cs.score_log_mass(h, entries, q, n, scale, out) } -> std::same_as<void>;
 };
 
 //! @brief One selection per (sequence, layer), shared by every KV head: scores are aggregated

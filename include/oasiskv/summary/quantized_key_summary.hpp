@@ -1,0 +1,483 @@
+//! @file
+//! @brief `quantized_key_summary<Bits>` (`int8_key_summary`, `int4_key_summary`): a low-bit copy
+//! of every key, scored exactly in the quantized domain, and the exact block softmax mass.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/summary/minmax_kernels.hpp"
+#include "oasiskv/summary/score_kernels.hpp"
+#include "oasiskv/summary/summary_checks.hpp"
+
+namespace oasiskv {
+namespace detail {
+
+// Tokens are stored in lanes of 16 (codes of one dimension for 16 tokens: 16 bytes in int8, 8
+// in int4), so one dimension of a lane group widens to two vectors of 8 floats.
+inline constexpr std::uint32_t qkey_lanes = 16;
+
+// Per-token scale sentinels: a token not (yet) folded in, and a token whose key is not finite.
+inline constexpr float qkey_absent = -1.0f;
+
+// The raw dot products `dots[r][t] = sum_x q[r][x] * code[x][t]` of one (entry, KV head):
+// `codes` is `[head_dim][tp]` int8, or `[head_dim][tp / 2]` bytes of two int4 codes (token 2i in
+// the low nibble) for Bits == 4.
+template <int Bits>
+inline std::int32_t qkey_code(const std::uint8_t* codes, std::uint32_t tp, std::uint32_t x,
+                              std::uint32_t t) noexcept {
+  if constexpr (Bits == 8) {
+    return static_cast<std::int8_t>(codes[std::size_t{x} * tp + t]);
+  } else {
+    const std::uint32_t byte = codes[std::size_t{x} * (tp / 2) + t / 2];
+    const std::uint32_t nib = (t % 2 == 0 ? byte : byte >> 4) & 0xfu;
+    return static_cast<std::int32_t>(nib ^ 8u) - 8;
+  }
+}
+
+template <int Bits>
+inline void qkey_dots_scalar(const std::uint8_t* codes, std::uint32_t d, std::uint32_t tp,
+                             const float* q, std::uint32_t n, float* dots) {
+  thread_local std::vector<float> wide;
+  wide.resize(std::size_t{d} * tp);
+  for (std::uint32_t x = 0; x < d; ++x) {
+    for (std::uint32_t t = 0; t < tp; ++t) {
+      wide[std::size_t{x} * tp + t] = static_cast<float>(qkey_code<Bits>(codes, tp, x, t));
+    }
+  }
+  for (std::uint32_t r = 0; r < n; ++r) {
+    float* o = dots + std::size_t{r} * tp;
+    std::fill(o, o + tp, 0.0f);
+    const float* qr = q + std::size_t{r} * d;
+    for (std::uint32_t x = 0; x < d; ++x) {
+      const float* w = wide.data() + std::size_t{x} * tp;
+      for (std::uint32_t t = 0; t < tp; ++t) {  // independent lanes: vectorises
+        o[t] += qr[x] * w[t];
+      }
+    }
+  }
+}
+
+#if OASISKV_SCORE_X86
+// 16 codes of one dimension as two vectors of 8 floats.
+template <int Bits>
+OASISKV_SCORE_TARGET_AVX2 inline void qkey_widen16(const std::uint8_t* p, __m256& lo, __m256& hi) {
+  __m128i v;
+  if constexpr (Bits == 8) {
+    v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i m = _mm_set1_epi8(0x0f);
+    const __m128i nib =
+        _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m128i eight = _mm_set1_epi8(8);
+    v = _mm_sub_epi8(_mm_xor_si128(nib, eight), eight);  // sign-extend the 4-bit codes
+  }
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+}
+
+// R query rows against one lane group of 16 tokens: each dimension's codes are widened once
+// and multiplied into 2R accumulators (16 tokens x R rows in registers, no horizontal sums).
+template <int Bits, int R>
+OASISKV_SCORE_TARGET_AVX2 inline void qkey_group_avx2(const std::uint8_t* codes, std::size_t step,
+                                                      std::uint32_t d, const float* q, float* dots,
+                                                      std::uint32_t tp) {
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_setzero_ps();
+    acc[r][1] = _mm256_setzero_ps();
+  }
+  for (std::uint32_t x = 0; x < d; ++x) {
+    __m256 lo, hi;
+    qkey_widen16<Bits>(codes + std::size_t{x} * step, lo, hi);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 qb = _mm256_set1_ps(q[static_cast<std::size_t>(r) * d + x]);
+      acc[r][0] = _mm256_fmadd_ps(qb, lo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qb, hi, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(dots + static_cast<std::size_t>(r) * tp, acc[r][0]);
+    _mm256_storeu_ps(dots + static_cast<std::size_t>(r) * tp + 8, acc[r][1]);
+  }
+}
+
+template <int Bits>
+OASISKV_SCORE_TARGET_AVX2 inline void qkey_dots_avx2(const std::uint8_t* codes, std::uint32_t d,
+                                                     std::uint32_t tp, const float* q,
+                                                     std::uint32_t n, float* dots) {
+  const std::size_t step = Bits == 8 ? tp : tp / 2;  // bytes per dimension
+  for (std::uint32_t g = 0; g < tp; g += qkey_lanes) {
+    const std::uint8_t* c = codes + (Bits == 8 ? g : g / 2);
+    std::uint32_t r = 0;
+    for (; r + 4 <= n; r += 4) {
+      qkey_group_avx2<Bits, 4>(c, step, d, q + std::size_t{r} * d, dots + std::size_t{r} * tp + g,
+                               tp);
+    }
+    const float* qr = q + std::size_t{r} * d;
+    float* o = dots + std::size_t{r} * tp + g;
+    switch (n - r) {
+      case 3:
+        qkey_group_avx2<Bits, 3>(c, step, d, qr, o, tp);
+        break;
+      case 2:
+        qkey_group_avx2<Bits, 2>(c, step, d, qr, o, tp);
+        break;
+      case 1:
+        qkey_group_avx2<Bits, 1>(c, step, d, qr, o, tp);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+// exp of 8 floats: Cephes' single-precision polynomial (range reduction by ln 2 in two parts,
+// degree-5 polynomial, the exponent added to the bits), about 2 ulp on [-87.3, 88.7]; inputs
+// below are clamped (the result is then tiny, not 0: callers mask what must be 0).
+OASISKV_SCORE_TARGET_AVX2 inline __m256 qkey_exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
+  const __m256 fx = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+OASISKV_SCORE_TARGET_AVX2 inline float qkey_hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// One row's epilogue: `v` (the row's raw dot products, tp of them) becomes the dequantized dot
+// products (-inf for absent tokens, +inf for non-finite keys); returns their max, or for
+// `scale` > 0 the scaled log-sum-exp (see quantized_key_summary::score_log_mass).
+OASISKV_SCORE_TARGET_AVX2 inline float qkey_reduce_avx2(float* v, const float* sc, std::uint32_t tp,
+                                                        float scale) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 pinf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 m = ninf;
+  for (std::uint32_t t = 0; t < tp; t += 8) {
+    const __m256 s = _mm256_loadu_ps(sc + t);
+    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(v + t), s);
+    x = _mm256_blendv_ps(x, pinf, _mm256_cmp_ps(s, pinf, _CMP_EQ_OQ));
+    x = _mm256_blendv_ps(x, ninf, _mm256_cmp_ps(s, zero, _CMP_LT_OQ));
+    _mm256_storeu_ps(v + t, x);
+    m = _mm256_max_ps(m, x);
+  }
+  const float mx = qkey_hmax8(m);
+  if (scale == 0.0f || !std::isfinite(mx)) {
+    return mx;
+  }
+  const __m256 sv = _mm256_set1_ps(scale), mv = _mm256_set1_ps(mx);
+  __m256 sum = zero;
+  for (std::uint32_t t = 0; t < tp; t += 8) {
+    const __m256 x = _mm256_loadu_ps(v + t);
+    const __m256 e = qkey_exp8(_mm256_mul_ps(sv, _mm256_sub_ps(x, mv)));
+    sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_GT_OQ)));
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return mx + std::log(_mm_cvtss_f32(h)) / scale;
+}
+#endif
+
+}  // namespace detail
+
+//! @brief A `Bits`-bit (8 or 4) copy of every key of every entry and KV head, with one f32
+//! scale per token (symmetric: `scale = max_x |k_x| / (2^(Bits-1) - 1)`, codes
+//! `round(k_x / scale)` in `[-127, 127]` or `[-7, 7]`). `score` is exact in the quantized
+//! domain: `max_t dot(q, k'_t)` over the entry's tokens, `k'_t = code_t * scale_t` (up to f32
+//! rounding of the dot product), not a bound. `score_log_mass` gives what softmax-mass
+//! aggregation needs instead of a max: the block's exact softmax mass in the quantized domain.
+//!
+//! Why a scale per token rather than per block: each token is quantized on its own, so an
+//! append never requantizes the tokens already folded in (a per-block scale that grows with a
+//! larger new key would have to requantize them, from keys the update may no longer see, and
+//! rounding twice would make one-token appends differ from a bulk update). Tokens are stored
+//! independently: any order of updates, one token or a bulk prefill, gives the same bits, and
+//! updating a token again replaces it. A key with a non-finite element makes every score of its
+//! entry `+inf` (kept, never NaN); an entry with no tokens scores `-inf`.
+//!
+//! Models `block_summary`. Memory per entry: `num_kv_heads * tp * (head_dim * Bits / 8 + 4) + 2`
+//! bytes, `tp` = `tokens_per_block` rounded up to 16: codes, scales, the token count. For
+//! 16-token blocks and f16 K+V that is `(Bits / 8 + 4 / head_dim) / 4` of the block's bytes
+//! (int8, head_dim 64: 26.6%; int4: 14.1%), against 6.25% for `minmax_summary<f16>`.
+//! `score_isa::avx2` and `avx512` run an AVX2+FMA kernel (16 tokens x 4 rows per pass, in
+//! registers; a vectorised epilogue with a polynomial `exp`, about 2 ulp); `scalar` a portable
+//! one: same products, sums in another order, `std::exp`. Concurrent
+//! `score` / `score_log_mass` calls are safe.
+template <int Bits>
+class quantized_key_summary {
+  static_assert(Bits == 8 || Bits == 4, "quantized_key_summary stores int8 or int4 codes");
+  static constexpr std::uint32_t lanes = detail::qkey_lanes;
+
+ public:
+  static constexpr int bits = Bits;
+  //! @brief The largest code magnitude: 127 (int8) or 7 (int4).
+  static constexpr float max_code = Bits == 8 ? 127.0f : 7.0f;
+  static constexpr const char* name = Bits == 8 ? "int8_key_summary" : "int4_key_summary";
+
+  quantized_key_summary(const kv_layout& layout, std::uint32_t capacity,
+                        score_isa isa = score_isa::best)
+      : layout_(layout), capacity_(capacity) {
+    layout_.validate();
+    if (capacity_ == 0) [[unlikely]] {
+      detail::raise(errc::invalid_argument, name, " capacity is 0");
+    }
+    set_isa(isa);
+    tp_ = (layout_.tokens_per_block + lanes - 1) / lanes * lanes;
+    code_bytes_ = std::size_t{layout_.head_dim} * tp_ * Bits / 8;
+    const std::size_t entries = std::size_t{layout_.num_kv_heads} * capacity_;
+    codes_.assign(entries * code_bytes_, 0);
+    scales_.assign(entries * tp_, detail::qkey_absent);
+    tokens_.assign(capacity_, 0);
+  }
+
+  std::uint32_t capacity() const noexcept { return capacity_; }
+  const kv_layout& layout() const noexcept { return layout_; }
+  score_isa isa() const noexcept { return isa_; }
+  //! @brief Chooses the scoring path; `errc::unsupported` if it cannot run.
+  void set_isa(score_isa isa) { isa_ = resolve_score_isa(isa); }
+
+  std::size_t bytes_per_block() const noexcept {
+    return std::size_t{layout_.num_kv_heads} * (code_bytes_ + std::size_t{tp_} * sizeof(float)) +
+           sizeof(std::uint16_t);
+  }
+
+  //! @brief How many distinct tokens entry `b` holds.
+  std::uint32_t tokens(std::uint32_t b) const {
+    check_entry(b);
+    return tokens_[b];
+  }
+
+  void reset(std::uint32_t b) {
+    check_entry(b);
+    for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+      std::memset(codes_of(h, b), 0, code_bytes_);
+      std::fill_n(scales_of(h, b), tp_, detail::qkey_absent);
+    }
+    tokens_[b] = 0;
+  }
+
+  //! @brief Quantizes the keys of tokens `[first, first + count)` of the slot at `block` into
+  //! entry `b`, replacing those tokens if they were folded in before.
+  void update(std::uint32_t b, const std::byte* block, std::uint32_t first, std::uint32_t count) {
+    check_entry(b);
+    if (count == 0) {
+      return;
+    }
+    detail::check_summary_update(name, layout_, block, first, count);
+    const std::uint32_t d = layout_.head_dim;
+    // Token presence is the same for every head: count new tokens from head 0's scales.
+    const float* s0 = scales_of(0, b);
+    std::uint32_t added = 0;
+    for (std::uint32_t t = first; t < first + count; ++t) {
+      added += s0[t] == detail::qkey_absent ? 1u : 0u;
+    }
+    visit_dtype(layout_.kv_dtype, [&](auto elem) {
+      using T = decltype(elem);
+      for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+        const T* keys = reinterpret_cast<const T*>(block + layout_.key_offset(h));
+        std::uint8_t* codes = codes_of(h, b);
+        float* scales = scales_of(h, b);
+        for (std::uint32_t t = first; t < first + count; ++t) {
+          const T* k = keys + std::size_t{t} * d;
+          float mag = 0.0f;
+          bool finite = true;
+          for (std::uint32_t x = 0; x < d; ++x) {
+            const float v = to_float(k[x]);
+            finite = finite && std::isfinite(v);
+            mag = std::max(mag, std::abs(v));
+          }
+          const float s = finite ? mag / max_code : std::numeric_limits<float>::infinity();
+          // Dividing by the scale, not multiplying by its inverse: the largest element maps to
+          // exactly max_code, never past it.
+          for (std::uint32_t x = 0; x < d; ++x) {
+            const float v = to_float(k[x]);
+            const float c =
+                finite && s > 0.0f ? std::clamp(std::nearbyint(v / s), -max_code, max_code) : 0.0f;
+            set_code(codes, x, t, static_cast<std::int32_t>(c));
+          }
+          scales[t] = s;
+        }
+      }
+    });
+    tokens_[b] = static_cast<std::uint16_t>(tokens_[b] + added);
+  }
+
+  //! @brief `out[i * n + r]` = `max_t dot(q_r, k'_t)` over the dequantized keys `k'_t` of KV
+  //! head `h` in entry `entries[i]`; `-inf` for an empty entry, `+inf` for one holding a
+  //! non-finite key.
+  void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+             std::uint32_t n, float* out) const {
+    run(h, entries, q, n, 0.0f, out, "score");
+  }
+
+  //! @brief `out[i * n + r]` = `log(sum_t exp(scale * dot(q_r, k'_t))) / scale`: the block's
+  //! log-sum-exp of attention logits at logit scale `scale` (1/sqrt(head_dim) for attention),
+  //! divided by that scale, so that it is in the units of `score` (at least the maximum, at most
+  //! the maximum + log(tokens) / scale). A softmax over blocks of `scale * out` gives each block
+  //! its exact share of the row's attention over the dequantized keys: what
+  //! `softmax_mass_aggregation` computes when the summary provides this (see
+  //! `predictor/aggregation.hpp`). `-inf` / `+inf` as `score`. `scale` must be finite and > 0.
+  void score_log_mass(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                      std::uint32_t n, float scale, float* out) const {
+    if (!(scale > 0.0f) || !std::isfinite(scale)) [[unlikely]] {
+      detail::raise(errc::invalid_argument, name, "::score_log_mass: scale = ", scale,
+                    " must be finite and > 0");
+    }
+    run(h, entries, q, n, scale, out, "score_log_mass");
+  }
+
+  //! @brief The dequantized key of token `t` of entry `b`, KV head `h` (`head_dim` floats; zeros
+  //! for a token not folded in).
+  std::vector<float> dequantized(std::uint32_t h, std::uint32_t b, std::uint32_t t) const {
+    check_entry(b);
+    if (h >= layout_.num_kv_heads || t >= layout_.tokens_per_block) [[unlikely]] {
+      detail::raise(errc::out_of_range, name, "::dequantized: kv head ", h, " or token ", t,
+                    " out of range");
+    }
+    std::vector<float> k(layout_.head_dim, 0.0f);
+    const float s = scales_of(h, b)[t];
+    if (s == detail::qkey_absent) {
+      return k;
+    }
+    for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
+      k[x] = static_cast<float>(detail::qkey_code<Bits>(codes_of(h, b), tp_, x, t)) * s;
+    }
+    return k;
+  }
+
+ private:
+  // scale == 0: the max of dot products; > 0: the scaled log-sum-exp (see score_log_mass).
+  void run(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q, std::uint32_t n,
+           float scale, float* out, const char* what) const {
+    if (h >= layout_.num_kv_heads) [[unlikely]] {
+      detail::raise(errc::out_of_range, name, "::", what, ": kv head ", h,
+                    " >= num_kv_heads = ", layout_.num_kv_heads);
+    }
+    if (entries.empty() || n == 0) {
+      return;
+    }
+    if (q == nullptr || out == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument, name, "::", what, ": null query or output");
+    }
+    detail::check_entry_ids(entries, capacity_, name);
+    const std::uint32_t d = layout_.head_dim;
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    thread_local std::vector<float> dots;  // [n][tp]
+    dots.resize(std::size_t{n} * tp_);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const std::uint32_t b = entries[i];
+      float* o = out + i * n;
+      if (tokens_[b] == 0) {
+        std::fill(o, o + n, -inf);
+        continue;
+      }
+      const std::uint8_t* codes = codes_of(h, b);
+      const float* sc = scales_of(h, b);
+#if OASISKV_SCORE_X86
+      if (isa_ != score_isa::scalar) {
+        detail::qkey_dots_avx2<Bits>(codes, d, tp_, q, n, dots.data());
+        for (std::uint32_t r = 0; r < n; ++r) {
+          o[r] = detail::qkey_reduce_avx2(dots.data() + std::size_t{r} * tp_, sc, tp_, scale);
+        }
+        continue;
+      }
+#endif
+      detail::qkey_dots_scalar<Bits>(codes, d, tp_, q, n, dots.data());
+      for (std::uint32_t r = 0; r < n; ++r) {
+        float* v = dots.data() + std::size_t{r} * tp_;
+        float m = -inf;
+        for (std::uint32_t t = 0; t < tp_; ++t) {
+          // absent (-1): -inf; non-finite key (+inf): +inf; else the dequantized dot product
+          v[t] = sc[t] < 0.0f ? -inf : (sc[t] == inf ? inf : v[t] * sc[t]);
+          m = v[t] > m ? v[t] : m;
+        }
+        if (scale == 0.0f || !std::isfinite(m)) {
+          o[r] = m;
+          continue;
+        }
+        float sum = 0.0f;
+        for (std::uint32_t t = 0; t < tp_; ++t) {
+          sum += sc[t] < 0.0f ? 0.0f : std::exp(scale * (v[t] - m));
+        }
+        o[r] = m + std::log(sum) / scale;
+      }
+    }
+  }
+
+  void set_code(std::uint8_t* codes, std::uint32_t x, std::uint32_t t, std::int32_t c) const {
+    if constexpr (Bits == 8) {
+      codes[std::size_t{x} * tp_ + t] = static_cast<std::uint8_t>(c);
+    } else {
+      std::uint8_t& byte = codes[std::size_t{x} * (tp_ / 2) + t / 2];
+      const auto nib = static_cast<std::uint8_t>(static_cast<std::uint32_t>(c) & 0xfu);
+      byte = t % 2 == 0 ? static_cast<std::uint8_t>((byte & 0xf0u) | nib)
+                        : static_cast<std::uint8_t>((byte & 0x0fu) | (nib << 4));
+    }
+  }
+
+  std::uint8_t* codes_of(std::uint32_t h, std::uint32_t b) noexcept {
+    return codes_.data() + (std::size_t{h} * capacity_ + b) * code_bytes_;
+  }
+  const std::uint8_t* codes_of(std::uint32_t h, std::uint32_t b) const noexcept {
+    return codes_.data() + (std::size_t{h} * capacity_ + b) * code_bytes_;
+  }
+  float* scales_of(std::uint32_t h, std::uint32_t b) noexcept {
+    return scales_.data() + (std::size_t{h} * capacity_ + b) * tp_;
+  }
+  const float* scales_of(std::uint32_t h, std::uint32_t b) const noexcept {
+    return scales_.data() + (std::size_t{h} * capacity_ + b) * tp_;
+  }
+  void check_entry(std::uint32_t b) const {
+    if (b >= capacity_) [[unlikely]] {
+      detail::raise(errc::out_of_range, name, ": entry ", b, " >= capacity = ", capacity_);
+    }
+  }
+
+  kv_layout layout_;
+  std::uint32_t capacity_;
+  score_isa isa_ = score_isa::scalar;
+  std::uint32_t tp_ = 0;               // tokens_per_block rounded up to 16
+  std::size_t code_bytes_ = 0;         // per (entry, KV head)
+  std::vector<std::uint8_t> codes_;    // [kv heads][capacity][head_dim][tp] codes (int4: tp / 2)
+  std::vector<float> scales_;          // [kv heads][capacity][tp]: scale, -1 absent, +inf bad
+  std::vector<std::uint16_t> tokens_;  // [capacity]
+};
+
+//! @brief An int8 copy of every key (1 byte per element + a 4-byte scale per token).
+using int8_key_summary = quantized_key_summary<8>;
+//! @brief An int4 copy of every key (half a byte per element + a 4-byte scale per token).
+using int4_key_summary = quantized_key_summary<4>;
+
+}  // namespace oasiskv
