@@ -1,9 +1,16 @@
-// Prefill/decode disaggregation demo: a prefill server process exports synthetic KV through a
-// kv_exporter; decode client processes admit the same requests densely (full) and selectively,
+// Prefill/decode disaggregation demo: a prefill server process exports a request's KV through a
+// kv_exporter; decode client processes admit the same request densely (full) and selectively,
 // decode through block-sparse attention, and report bytes moved at admission and over the
 // decode, decode-node host memory and tokens/s. All on 127.0.0.1; UCX_TLS picks the transport.
 //
-//   pd_demo [--contexts 8192,32768] [--budgets 1024,2048] [--steps 64] [--bandwidth-seconds 1]
+// With a model (the default; needs the mini-decoder): the prefill server prefills a real prompt,
+// the decode clients decode greedily through a tiered_kv_cache over the exporter's memory, and
+// their tokens are compared with a local dense run of the mini-decoder.
+//
+//   pd_demo [--model ../shared/models/stories260K/stories260K.bin] [--prompt-file F]
+//           [--prompt-tokens N] [--budgets 64,512] [--steps 64] [--expect-agreement]
+//   pd_demo --synthetic [--contexts 8192,32768] [--budgets 1024,2048] [--steps 64]
+//           [--bandwidth-seconds 1]
 #include <spawn.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -22,6 +29,9 @@
 #include "decode.hpp"
 #include "oasiskv/disagg/kv_exporter.hpp"
 #include "synthetic.hpp"
+#ifdef PD_DEMO_MODEL
+#include "model_run.hpp"
+#endif
 
 extern char** environ;
 
@@ -115,11 +125,11 @@ child spawn(const std::vector<std::string>& args) {
 }
 
 std::string read_line(child& c) {
-  char buf[1024];
-  if (std::fgets(buf, sizeof buf, c.out) == nullptr) {
-    return {};
-  }
-  std::string s(buf);
+  char* buf = nullptr;
+  std::size_t cap = 0;
+  const ssize_t n = ::getline(&buf, &cap, c.out);
+  std::string s = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+  std::free(buf);
   if (!s.empty() && s.back() == '\n') {
     s.pop_back();
   }
@@ -160,29 +170,9 @@ double mib(const std::string& bytes) {
   return std::stod(bytes) / (1 << 20);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  std::vector<std::string> a(argv + 1, argv + argc);
-  try {
-    if (!a.empty() && a[0] == "prefill" && a.size() == 3) {
-      return run_prefill(parse_list(a[1]), static_cast<std::uint32_t>(std::stoul(a[2])));
-    }
-    if (!a.empty() && a[0] == "decode" && a.size() == 6) {
-      return pd_demo::run_decode(static_cast<std::uint16_t>(std::stoul(a[1])), std::stoull(a[2]),
-                                 a[3] == "selective", static_cast<std::uint32_t>(std::stoul(a[4])),
-                                 static_cast<std::uint32_t>(std::stoul(a[5])));
-    }
-    if (!a.empty() && a[0] == "bandwidth" && a.size() == 4) {
-      return pd_demo::run_bandwidth(static_cast<std::uint16_t>(std::stoul(a[1])), std::stoull(a[2]),
-                                    std::stod(a[3]));
-    }
-  } catch (const std::exception& e) {
-    std::printf("error %s\n", e.what());
-    return 2;
-  }
+int run_synthetic(const std::vector<std::string>& a) {
   std::string contexts = "8192,32768", budgets = "1024,2048", steps = "64", bw_seconds = "1";
-  for (std::size_t i = 0; i + 1 < a.size(); i += 2) {
+  for (std::size_t i = 1; i + 1 < a.size(); i += 2) {
     if (a[i] == "--contexts") {
       contexts = a[i + 1];
     } else if (a[i] == "--budgets") {
@@ -193,7 +183,7 @@ int main(int argc, char** argv) {
       bw_seconds = a[i + 1];
     } else {
       std::fprintf(stderr,
-                   "usage: pd_demo [--contexts 8192,32768] [--budgets 1024,2048] "
+                   "usage: pd_demo --synthetic [--contexts 8192,32768] [--budgets 1024,2048] "
                    "[--steps 64] [--bandwidth-seconds 1]\n");
       return 1;
     }
@@ -243,4 +233,247 @@ int main(int argc, char** argv) {
   ::kill(prefill.pid, SIGKILL);
   ::waitpid(prefill.pid, nullptr, 0);
   return 0;
+}
+
+#ifdef PD_DEMO_MODEL
+pd_demo::real::setup setup_from(const std::vector<std::string>& a, std::size_t i) {
+  pd_demo::real::setup s;
+  s.model_path = a.at(i);
+  s.prompt_file = a.at(i + 1);
+  s.prompt_tokens = static_cast<std::uint32_t>(std::stoul(a.at(i + 2)));
+  s.steps = static_cast<std::uint32_t>(std::stoul(a.at(i + 3)));
+  return s;
+}
+
+std::vector<std::string> setup_args(const pd_demo::real::setup& s) {
+  return {s.model_path, s.prompt_file, std::to_string(s.prompt_tokens), std::to_string(s.steps)};
+}
+
+std::vector<int> parse_tokens(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    out.push_back(std::stoi(item));
+  }
+  return out;
+}
+
+// Runs the demo on a model: 77 when the model file is missing (a test skips then), 1 when
+// `expect` is set and a run that attends the whole context disagrees with the local dense run.
+int run_model(const std::vector<std::string>& a) {
+  pd_demo::real::setup s;
+  s.model_path = "../shared/models/stories260K/stories260K.bin";
+  std::string budgets = "64,512";
+  bool expect = false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const bool has = i + 1 < a.size();
+    if (a[i] == "--model" && has) {
+      s.model_path = a[++i];
+    } else if (a[i] == "--prompt-file" && has) {
+      s.prompt_file = a[++i];
+    } else if (a[i] == "--prompt-tokens" && has) {
+      s.prompt_tokens = static_cast<std::uint32_t>(std::stoul(a[++i]));
+    } else if (a[i] == "--budgets" && has) {
+      budgets = a[++i];
+    } else if (a[i] == "--steps" && has) {
+      s.steps = static_cast<std::uint32_t>(std::stoul(a[++i]));
+    } else if (a[i] == "--expect-agreement") {
+      expect = true;
+    } else {
+      std::fprintf(stderr,
+                   "usage: pd_demo [--model PATH] [--prompt-file F] [--prompt-tokens N] "
+                   "[--budgets 64,512] [--steps 64] [--expect-agreement]\n"
+                   "       pd_demo --synthetic [--contexts 8192,32768] [--budgets 1024,2048] "
+                   "[--steps 64] [--bandwidth-seconds 1]\n");
+      return 1;
+    }
+  }
+  if (::access(s.model_path.c_str(), R_OK) != 0) {
+    std::printf("pd_demo: model %s not found: skipped%s\n", s.model_path.c_str(),
+                mini_decoder::fetch_hint);
+    return 77;
+  }
+  const auto bud = parse_list(budgets);
+  const auto m = mini_decoder::load_model(s.model_path);
+  const auto& c = m->config;
+  const std::vector<int> prompt = pd_demo::real::prompt_tokens(*m, s);
+  const auto P = static_cast<std::uint32_t>(prompt.size());
+  const char* tls = std::getenv("UCX_TLS");
+  const oasiskv::kv_layout l = pd_demo::real::layout_of(*m);
+  std::printf(
+      "pd_demo: UCX_TLS=%s, model %s (%u layers x %u kv heads x %u, f16 KV, 16-token blocks, "
+      "%zu B per block and layer), prompt %u tokens, %u greedy tokens\n",
+      tls != nullptr ? tls : "(default)", s.model_path.c_str(), c.num_layers, c.num_kv_heads,
+      c.head_dim, l.block_bytes(), P, s.steps);
+  std::fflush(stdout);
+
+  std::vector<std::string> pargs{"pd_demo", "prefill-model"};
+  for (const auto& x : setup_args(s)) {
+    pargs.push_back(x);
+  }
+  pargs.push_back(std::to_string(bud.size() + 1));
+  child prefill = spawn(pargs);
+
+  // The local dense run (the mini-decoder, no disaggregation) while the server prefills.
+  mini_decoder::decoder_options o;
+  o.mode = mini_decoder::attention_mode::dense;
+  o.max_tokens = s.steps;
+  o.context = P + s.steps + 1;
+  mini_decoder::decoder dense(*m, o);
+  const std::vector<int> ref = dense.generate(prompt);
+  const double dense_tok_s = dense.report().decode_tokens_per_second();
+
+  const std::string hello = read_line(prefill);
+  std::stringstream hs(hello);
+  std::string w, port, prefill_s;
+  int first = -1;
+  std::uint32_t tokens = 0;
+  while (hs >> w) {
+    if (w == "port") {
+      hs >> port;
+    } else if (w == "first") {
+      hs >> first;
+    } else if (w == "tokens") {
+      hs >> tokens;
+    } else if (w == "prefill_s") {
+      hs >> prefill_s;
+    }
+  }
+  if (port.empty() || tokens != P) {
+    std::fprintf(stderr, "pd_demo: prefill server failed: %s\n", hello.c_str());
+    ::kill(prefill.pid, SIGKILL);
+    ::waitpid(prefill.pid, nullptr, 0);
+    return 1;
+  }
+  std::printf("prefill server: %u tokens in %s s, first token %d (local: %d)\n", P,
+              prefill_s.c_str(), first, ref.empty() ? -1 : ref[0]);
+  std::printf("%-9s %6s | %10s %10s %7s | %10s | %9s %7s | %9s %8s %6s | %7s\n", "mode", "budget",
+              "admit MiB", "decode MiB", "less", "host KV MiB", "HWM MiB", "less", "admit ms",
+              "tok/s", "hits", "agree");
+  auto agree = [&](const std::vector<int>& t) {
+    std::size_t k = 0;
+    while (k < t.size() && k < ref.size() && t[k] == ref[k]) {
+      ++k;
+    }
+    return k;
+  };
+  auto text = [&](const std::vector<int>& t) {
+    std::string out;
+    int prev = prompt.back();
+    for (int tok : t) {
+      out += m->tok->decode(prev, tok);
+      prev = tok;
+    }
+    return out;
+  };
+  bool ok = true;
+  std::map<std::string, std::string> full;
+  std::vector<std::pair<std::string, std::vector<int>>> runs;
+  for (std::size_t j = 0; j <= bud.size(); ++j) {
+    const std::uint32_t budget = j == 0 ? 0 : bud[j - 1];
+    std::vector<std::string> dargs{"pd_demo", "decode-model"};
+    for (const auto& x : setup_args(s)) {
+      dargs.push_back(x);
+    }
+    for (const auto& x : {port, std::to_string(j), std::to_string(budget), std::to_string(first),
+                          std::to_string(P)}) {
+      dargs.push_back(x);
+    }
+    auto r = run_child(dargs);
+    if (j == 0) {
+      full = r;
+    }
+    const std::vector<int> t = parse_tokens(r["tokens"]);
+    const std::size_t k = agree(t);
+    const bool same = k == ref.size() && t.size() == ref.size();
+    const double admit_less = std::stod(full["admitted"]) / std::stod(r["admitted"]);
+    const double hwm_less =
+        std::stod(full["hwm_delta_kib"]) / std::max(1.0, std::stod(r["hwm_delta_kib"]));
+    std::printf(
+        "%-9s %6s | %10.3f %10.3f %6.1fx | %10.3f | %9.2f %6.1fx | %9s %8s %6s | %3zu/%-3zu\n",
+        j == 0 ? "full" : "selective", j == 0 ? "-" : std::to_string(budget).c_str(),
+        mib(r["admitted"]), mib(r["fetched"]), admit_less, mib(r["host_kv"]),
+        std::stod(r["hwm_delta_kib"]) / 1024, hwm_less, r["admit_ms"].c_str(), r["tok_s"].c_str(),
+        r["hit_rate"].c_str(), k, ref.size());
+    std::fflush(stdout);
+    runs.emplace_back(j == 0 ? "full" : "selective " + std::to_string(budget), t);
+    // A budget that covers the context attends every block: the tokens must be the dense run's.
+    if (expect && (j == 0 || budget >= P + s.steps) && !same) {
+      std::printf("FAIL: %s generated other tokens than the local dense run\n",
+                  runs.back().first.c_str());
+      ok = false;
+    }
+    if (expect && j > 0 && budget < P &&
+        !(std::stod(r["admitted"]) < std::stod(full["admitted"]))) {
+      std::printf("FAIL: selective %u admitted no fewer bytes than full\n", budget);
+      ok = false;
+    }
+  }
+  ::kill(prefill.pid, SIGKILL);
+  ::waitpid(prefill.pid, nullptr, 0);
+  std::printf("local dense run (mini-decoder, same prompt): %zu tokens, %.2f tok/s\n", ref.size(),
+              dense_tok_s);
+  std::printf("[local dense] %s\n", text(ref).c_str());
+  for (const auto& [name, t] : runs) {
+    if (t == ref) {
+      std::printf("[%s] (the same tokens)\n", name.c_str());
+    } else {
+      std::printf("[%s] %s\n", name.c_str(), text(t).c_str());
+    }
+  }
+  return ok ? 0 : 1;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> a(argv + 1, argv + argc);
+  try {
+    if (!a.empty() && a[0] == "prefill" && a.size() == 3) {
+      return run_prefill(parse_list(a[1]), static_cast<std::uint32_t>(std::stoul(a[2])));
+    }
+    if (!a.empty() && a[0] == "decode" && a.size() == 6) {
+      return pd_demo::run_decode(static_cast<std::uint16_t>(std::stoul(a[1])), std::stoull(a[2]),
+                                 a[3] == "selective", static_cast<std::uint32_t>(std::stoul(a[4])),
+                                 static_cast<std::uint32_t>(std::stoul(a[5])));
+    }
+    if (!a.empty() && a[0] == "bandwidth" && a.size() == 4) {
+      return pd_demo::run_bandwidth(static_cast<std::uint16_t>(std::stoul(a[1])), std::stoull(a[2]),
+                                    std::stod(a[3]));
+    }
+#ifdef PD_DEMO_MODEL
+    if (!a.empty() && a[0] == "prefill-model" && a.size() == 6) {
+      return pd_demo::real::run_prefill(setup_from(a, 1),
+                                        static_cast<std::uint32_t>(std::stoul(a[5])));
+    }
+    if (!a.empty() && a[0] == "decode-model" && a.size() == 10) {
+      pd_demo::real::decode_args d;
+      d.port = static_cast<std::uint16_t>(std::stoul(a[5]));
+      d.seq = std::stoull(a[6]);
+      d.budget = static_cast<std::uint32_t>(std::stoul(a[7]));
+      d.first = std::stoi(a[8]);
+      d.prompt = static_cast<std::uint32_t>(std::stoul(a[9]));
+      return pd_demo::real::run_decode(setup_from(a, 1), d);
+    }
+#endif
+  } catch (const std::exception& e) {
+    std::printf("error %s\n", e.what());
+    return 2;
+  }
+  if (!a.empty() && a[0] == "--synthetic") {
+    return run_synthetic(a);
+  }
+#ifdef PD_DEMO_MODEL
+  try {
+    return run_model(a);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pd_demo: %s\n", e.what());
+    return 1;
+  }
+#else
+  std::fprintf(stderr, "pd_demo: built without the mini-decoder; run with --synthetic\n");
+  return 1;
+#endif
 }

@@ -1,4 +1,4 @@
-// Synthetic KV and queries for the prefill/decode demo (the real model comes with mini_decoder).
+// Synthetic KV and queries for the prefill/decode demo (`--synthetic`; model_run.hpp runs a model).
 #pragma once
 
 #include <cstdint>
