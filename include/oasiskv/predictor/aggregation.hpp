@@ -12,6 +12,8 @@
 #include <span>
 #include <vector>
 
+#include "oasiskv/summary/score_kernels.hpp"
+
 namespace oasiskv {
 
 //! @brief What an aggregation sees of one KV head's raw scores `raw[block * num_rows + row]`.
@@ -64,17 +66,25 @@ class softmax_mass {
     constexpr float lim = std::numeric_limits<float>::max();
     for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
       const float* s = raw + std::size_t{i} * n;
-      for (std::uint32_t r = 0; r < n; ++r) {
-        const float v = s[r] <= lim ? (s[r] >= -lim ? s[r] : -lim) : lim;
-        row_max_[r] = std::max(row_max_[r], v);
-      }
-    }
-    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
-      const float* s = raw + std::size_t{i} * n;
       float* e = exps_.data() + std::size_t{i} * n;
       for (std::uint32_t r = 0; r < n; ++r) {
         const float v = s[r] <= lim ? (s[r] >= -lim ? s[r] : -lim) : lim;
-        e[r] = std::exp(c.scale * (v - row_max_[r]));
+        e[r] = v;
+        row_max_[r] = std::max(row_max_[r], v);
+      }
+    }
+    // The exponentials, vectorised (the bulk of this aggregation's time): the row maxima repeat
+    // with period n along the [block][row] array.
+    if (n > 0) {
+      pattern_.resize(std::size_t{n} + 8);
+      for (std::size_t j = 0; j < pattern_.size(); ++j) {
+        pattern_[j] = row_max_[j % n];
+      }
+      detail::scaled_exp(exps_.data(), pattern_.data(), n, exps_.size(), c.scale, exps_.data());
+    }
+    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
+      const float* e = exps_.data() + std::size_t{i} * n;
+      for (std::uint32_t r = 0; r < n; ++r) {
         row_sum_[r] += e[r];
       }
     }
@@ -92,7 +102,7 @@ class softmax_mass {
   }
 
  private:
-  std::vector<float> row_max_, row_sum_, exps_;  // reused: steady state does not allocate
+  std::vector<float> row_max_, row_sum_, exps_, pattern_;  // reused: no steady-state allocation
 };
 
 }  // namespace detail

@@ -145,29 +145,6 @@ OASISKV_SCORE_TARGET_AVX2 inline void qkey_dots_avx2(const std::uint8_t* codes, 
   }
 }
 
-// exp of 8 floats: Cephes' single-precision polynomial (range reduction by ln 2 in two parts,
-// degree-5 polynomial, the exponent added to the bits), about 2 ulp on [-87.3, 88.7]; inputs
-// below are clamped (the result is then tiny, not 0: callers mask what must be 0).
-OASISKV_SCORE_TARGET_AVX2 inline __m256 qkey_exp8(__m256 x) {
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
-  const __m256 fx = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 OASISKV_SCORE_TARGET_AVX2 inline float qkey_hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -200,7 +177,7 @@ OASISKV_SCORE_TARGET_AVX2 inline float qkey_reduce_avx2(float* v, const float* s
   __m256 sum = zero;
   for (std::uint32_t t = 0; t < tp; t += 8) {
     const __m256 x = _mm256_loadu_ps(v + t);
-    const __m256 e = qkey_exp8(_mm256_mul_ps(sv, _mm256_sub_ps(x, mv)));
+    const __m256 e = exp8_avx2(_mm256_mul_ps(sv, _mm256_sub_ps(x, mv)));
     sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_cmp_ps(x, ninf, _CMP_GT_OQ)));
   }
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));

@@ -5,6 +5,7 @@
 //! with no `-march` flag; a scalar path serves every other machine.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -368,7 +369,65 @@ OASISKV_SCORE_TARGET_AVX2 void dot_entries_avx2(const S* base, std::size_t entry
 }
 
 #pragma GCC diagnostic pop
+
+// exp of 8 floats: Cephes' single-precision polynomial (range reduction by ln 2 in two parts,
+// degree-5 polynomial, the exponent added to the bits), about 2 ulp on [-87.3, 88.7]; inputs
+// below are clamped (the result is then tiny, not 0: callers mask what must be 0).
+OASISKV_SCORE_TARGET_AVX2 inline __m256 exp8_avx2(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
+  const __m256 fx = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// out[i] = exp(scale * (x[i] - period_values[i % period])); `pattern` holds period_values
+// repeated, at least period + 8 of them, so 8 lanes starting at any phase load at once.
+OASISKV_SCORE_TARGET_AVX2 inline void scaled_exp_avx2(const float* x, const float* pattern,
+                                                      std::uint32_t period, std::size_t count,
+                                                      float scale, float* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  std::size_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 m = _mm256_loadu_ps(pattern + i % period);
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), m);
+    _mm256_storeu_ps(out + i, exp8_avx2(_mm256_mul_ps(s, d)));
+  }
+  for (; i < count; ++i) {
+    out[i] = std::exp(scale * (x[i] - pattern[i % period]));
+  }
+}
 #endif  // OASISKV_SCORE_X86
+
+//! @brief `out[i] = exp(scale * (x[i] - pattern[i % period]))` for `i < count` (`x` finite;
+//! `out` may be `x`). `pattern` holds at least `period + 8` values repeating with `period`. The
+//! AVX2 path's polynomial is within about 2 ulp of `std::exp` and returns ~1e-38, not 0, below
+//! -87.3; the scalar path is `std::exp`.
+inline void scaled_exp(const float* x, const float* pattern, std::uint32_t period,
+                       std::size_t count, float scale, float* out) {
+#if OASISKV_SCORE_X86
+  static const bool avx2 = score_isa_supported(score_isa::avx2);
+  if (avx2) {
+    scaled_exp_avx2(x, pattern, period, count, scale, out);
+    return;
+  }
+#endif
+  for (std::size_t i = 0; i < count; ++i) {
+    out[i] = std::exp(scale * (x[i] - pattern[i % period]));
+  }
+}
 
 //! @brief `out[i * n + r] = dot(rows[r], base[ids[i] * entry_stride .. + len])` for every entry
 //! id and query row. `rows` is `[n][len]`; `len` is a multiple of 8. `isa` is already resolved.
