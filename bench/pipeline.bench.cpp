@@ -5,17 +5,39 @@
 //   on_demand     the same selection, fetched when attention asks for it
 //   all_resident  every block staged in the fast tier (the upper bound: no transfer at all)
 // plus dense attention over the whole context in the same binary, for the predictor's share.
+// With UCX (oasiskv::ucx), the same three rows again with the capacity tier in another process:
+// a prefill node's `kv_exporter` (forked at start-up) whose 32k-token request is adopted into the
+// cache and read with UCX gets (`ucx_lookahead`, `ucx_on_demand`, `ucx_all_resident`: the last
+// is full admission, every block copied before the first step). UCX_TLS picks the transport
+// (default here: sm; the other loopback settings of docs/disagg.md are defaulted too).
 // Queries drift from step to step and keys cluster by block, so selections change gradually,
 // as real attention does; `fetched_per_step` reports how much each step had to move.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "oasiskv/oasiskv.hpp"
+
+#if OASISKV_BENCH_UCX
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+
+#include "oasiskv/disagg/kv_exporter.hpp"
+#include "oasiskv/disagg/remote_cache.hpp"
+#endif
 
 namespace {
 
@@ -53,7 +75,7 @@ struct kv_source {
   }
 
   kv_source() {
-    centres.resize(std::size_t{layout.blocks_for(context + 4096)} * layout.num_kv_heads *
+    centres.resize(std::size_t{layout.blocks_for(context + 16384)} * layout.num_kv_heads *
                    layout.head_dim);
     for (float& c : centres) {
       c = 1.5f * noise();
@@ -110,11 +132,10 @@ std::unique_ptr<tiered_kv_cache<bundle<Scheduler>>> make_cache(std::uint32_t fas
   return cache;
 }
 
-template <class Scheduler>
-void bm_decode_step(benchmark::State& state, std::uint32_t fast_slots) {
-  kv_source src;
-  sequence_id seq{};
-  auto cache = make_cache<Scheduler>(fast_slots, src, seq);
+// The measured loop, over any cache holding the 32k-token sequence `seq` written by `src`.
+template <class Cache>
+void run_decode_steps(benchmark::State& state, Cache* cache, sequence_id seq, kv_source& src,
+                      std::uint32_t fast_slots) {
   query_walk walk;
   const float drift = static_cast<float>(state.range(0)) / 100.0f;
   std::vector<float> out(walk.q.size());
@@ -158,6 +179,14 @@ void bm_decode_step(benchmark::State& state, std::uint32_t fast_slots) {
   state.counters["fast_MiB"] = static_cast<double>(fast_slots) * layout.block_bytes() / (1 << 20);
 }
 
+template <class Scheduler>
+void bm_decode_step(benchmark::State& state, std::uint32_t fast_slots) {
+  kv_source src;
+  sequence_id seq{};
+  auto cache = make_cache<Scheduler>(fast_slots, src, seq);
+  run_decode_steps(state, cache.get(), seq, src, fast_slots);
+}
+
 void bm_lookahead(benchmark::State& s) {
   bm_decode_step<lookahead_prefetcher<lru_eviction>>(
       s, layout.num_layers * 3 * layout.blocks_for(budget_tokens));
@@ -169,6 +198,149 @@ void bm_on_demand(benchmark::State& s) {
 void bm_all_resident(benchmark::State& s) {
   bm_decode_step<all_resident>(s, layout.num_layers * layout.blocks_for(context + 4096));
 }
+
+#if OASISKV_BENCH_UCX
+// The prefill node: a child process, forked before the benchmark library or any cache starts a
+// thread, that writes the 32k-token prompt of every layer (the same `kv_source` as the file
+// rows) into a `kv_exporter`'s arena, publishes it as requests 1-3 (one per scheduler: a
+// released request is freed, so each cache keeps its own for the whole run) and serves until
+// the benchmark exits (it dies with its parent).
+constexpr std::uint32_t remote_requests = 3;
+
+disagg::token_type bench_token() {
+  disagg::token_type t{};
+  const char text[] = "oasiskv-pipeline-bench-token";
+  std::memcpy(t.data(), text, std::min(sizeof(text), t.size()));
+  return t;
+}
+
+void export_prompt(disagg::kv_exporter& e, std::uint64_t request) {
+  const std::vector<slot_id> slots = e.allocate(request, context);
+  const std::uint32_t blocks = layout.blocks_for(context);
+  const std::size_t row = layout.row_bytes();
+  const std::size_t width = std::size_t{layout.num_kv_heads} * layout.head_dim;
+  const std::uint32_t tpb = layout.tokens_per_block;
+  kv_source src;
+  std::vector<f16> k, v;
+  for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+    src.rows(0, context, k, v);
+    for (std::uint32_t t = 0; t < context; ++t) {
+      std::byte* block = e.slot_data(slots[std::size_t{l} * blocks + t / tpb]);
+      for (std::uint32_t h = 0; h < layout.num_kv_heads; ++h) {
+        const std::size_t from = t * width + std::size_t{h} * layout.head_dim;
+        std::memcpy(block + layout.key_offset(h) + (t % tpb) * row, k.data() + from, row);
+        std::memcpy(block + layout.value_offset(h) + (t % tpb) * row, v.data() + from, row);
+      }
+    }
+  }
+  e.publish(request);
+}
+
+struct exporter_process {
+  pid_t pid = -1;
+  std::uint16_t port = 0;
+
+  void start() {
+    int fds[2];
+    if (::pipe(fds) != 0) {
+      throw std::runtime_error("pipeline_bench: pipe failed");
+    }
+    pid = ::fork();
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::close(fds[0]);
+      try {
+        disagg::exporter_options o;
+        o.token = bench_token();
+        o.lease = std::chrono::hours(1);
+        disagg::kv_exporter e(
+            layout, remote_requests * layout.num_layers * layout.blocks_for(context) + 8, o);
+        for (std::uint64_t r = 1; r <= remote_requests; ++r) {
+          export_prompt(e, r);
+        }
+        const std::uint16_t p = e.port();
+        if (::write(fds[1], &p, sizeof p) != static_cast<ssize_t>(sizeof p)) {
+          ::_exit(1);
+        }
+        for (;;) {
+          ::pause();
+        }
+      } catch (const std::exception& ex) {
+        std::fprintf(stderr, "pipeline_bench exporter: %s\n", ex.what());
+        ::_exit(1);
+      }
+    }
+    ::close(fds[1]);
+    const bool ok = ::read(fds[0], &port, sizeof port) == static_cast<ssize_t>(sizeof port);
+    ::close(fds[0]);
+    if (!ok) {
+      throw std::runtime_error("pipeline_bench: the exporter process did not start");
+    }
+  }
+  ~exporter_process() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+};
+exporter_process exporter;
+
+template <class Scheduler>
+struct remote_bundle {
+  using allocator = free_list_allocator;
+  using fast_tier = host_tier;
+  using slow_tier = disagg::remote_capacity_tier<>;
+  using transfer = disagg::remote_transfer;
+  using predictor = lookahead_predictor<minmax_summary<>>;
+  using scheduler = Scheduler;
+  using kernel = cpu::sparse_decode;
+};
+
+// One cache per scheduler, adopting its own request once: Google Benchmark calls a benchmark
+// function several times, and the sequence goes on from call to call (new tokens go to the
+// local tail, room for 16k tokens per layer). Kept for the process's lifetime on purpose.
+template <class Scheduler>
+struct remote_cache {
+  using cache_type = tiered_kv_cache<remote_bundle<Scheduler>>;
+  disagg::ucx_engine engine{{std::chrono::milliseconds(10000), 128}};
+  std::unique_ptr<cache_type> cache;
+  std::optional<disagg::adopted_request<cache_type>> request;
+  kv_source src;
+
+  remote_cache(std::uint64_t id, std::uint32_t fast_slots) {
+    disagg::remote_tier_options o;
+    o.port = exporter.port;
+    o.token = bench_token();
+    cache = std::make_unique<cache_type>(
+        disagg::remote_capacity_tier<>(
+            std::make_unique<disagg::ucx_remote_tier>(engine, o),
+            std::make_unique<host_tier>(layout, layout.num_layers * layout.blocks_for(16384))),
+        host_tier(layout, fast_slots, {.prefault = true}),
+        cache_options{.budget_tokens = budget_tokens, .sink_blocks = 1, .recent_blocks = 2});
+    request.emplace(*cache, id);
+  }
+};
+
+template <class Scheduler>
+void bm_remote_step(benchmark::State& state, std::uint64_t request, std::uint32_t fast_slots) {
+  static auto* r = new remote_cache<Scheduler>(request, fast_slots);
+  state.counters["admitted_MiB"] = static_cast<double>(r->request->admitted_bytes()) / (1 << 20);
+  run_decode_steps(state, r->cache.get(), r->request->sequence(), r->src, fast_slots);
+}
+
+void bm_ucx_lookahead(benchmark::State& s) {
+  bm_remote_step<lookahead_prefetcher<lru_eviction>>(
+      s, 1, layout.num_layers * 3 * layout.blocks_for(budget_tokens));
+}
+void bm_ucx_on_demand(benchmark::State& s) {
+  bm_remote_step<on_demand_fetcher<lru_eviction>>(
+      s, 2, layout.num_layers * 3 * layout.blocks_for(budget_tokens));
+}
+void bm_ucx_all_resident(benchmark::State& s) {
+  bm_remote_step<all_resident>(s, 3, layout.num_layers * layout.blocks_for(context + 16384));
+}
+#endif
 
 // Dense attention of one step over every block of every layer, read from host memory: the
 // denominator of the predictor's share.
@@ -204,4 +376,28 @@ BENCHMARK(bm_lookahead)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseReal
 BENCHMARK(bm_on_demand)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_all_resident)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_dense_attention)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_MAIN();
+#if OASISKV_BENCH_UCX
+BENCHMARK(bm_ucx_lookahead)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_ucx_on_demand)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_ucx_all_resident)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
+#endif
+
+int main(int argc, char** argv) {
+#if OASISKV_BENCH_UCX
+  // Loopback defaults (docs/disagg.md); the caller's environment wins.
+  ::setenv("UCX_TLS", "sm", 0);
+  ::setenv("UCX_NET_DEVICES", "lo", 0);
+  ::setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
+  ::setenv("UCX_PROTO_ENABLE", "n", 0);
+  ::setenv("UCX_KEEPALIVE_INTERVAL", "1s", 0);
+  ::setenv("UCX_MM_ERROR_HANDLING", "y", 0);
+  exporter.start();  // before any thread exists: fork copies only this one
+#endif
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
+    return 1;
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
