@@ -1,11 +1,12 @@
-// The facade with scheduler `on_demand_fetcher<>` and every predictor and kernel
+// The facade with scheduler `on_demand_fetcher<>`, predictors x kernels
 // (combinations.hpp).
 #include "kv_cache/combinations.hpp"
 
 using namespace oasiskv;
 namespace c = oasiskv::testing::combinations;
 
-TEST_CASE("on_demand_fetcher<> x every predictor, both kernels: full budget equals dense") {
+TEST_CASE(
+    "on_demand_fetcher<>: predictors x kernels (combinations.hpp), full budget equals dense") {
   c::run_scheduler_suite<on_demand_fetcher<>>();
 }
 

@@ -1,4 +1,4 @@
-// The facade with scheduler `lookahead_prefetcher<lru_eviction>` and every predictor and kernel
+// The facade with scheduler `lookahead_prefetcher<lru_eviction>`, predictors x kernels
 // (combinations.hpp).
 #include "kv_cache/combinations.hpp"
 
@@ -8,7 +8,7 @@ namespace c = oasiskv::testing::combinations;
 TEST_CASE(
     "lookahead_prefetcher<lru_eviction> x every predictor, both kernels: full budget equals "
     "dense") {
-  c::run_scheduler_suite<lookahead_prefetcher<lru_eviction>>();
+  c::run_scheduler_suite<lookahead_prefetcher<lru_eviction>, true>();  // every predictor, always
 }
 
 TEST_CASE(

@@ -1,13 +1,11 @@
-// The facade with scheduler `lookahead_prefetcher<score_eviction>` and every predictor and kernel
+// The facade with scheduler `lookahead_prefetcher<score_eviction>`, predictors x kernels
 // (combinations.hpp).
 #include "kv_cache/combinations.hpp"
 
 using namespace oasiskv;
 namespace c = oasiskv::testing::combinations;
 
-TEST_CASE(
-    "lookahead_prefetcher<score_eviction> x every predictor, both kernels: full budget equals "
-    "dense") {
+TEST_CASE("lookahead_prefetcher<score_eviction>: predictors x kernels, full budget equals dense") {
   c::run_scheduler_suite<lookahead_prefetcher<score_eviction>>();
 }
 
