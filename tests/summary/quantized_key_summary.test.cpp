@@ -29,19 +29,7 @@ static_assert(mass_aggregation<softmax_mass_aggregation> &&
               mass_aggregation<confidence_weighted_aggregation>);
 static_assert(!mass_aggregation<max_aggregation>);
 
-std::vector<float> key_of(const host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok) {
-  const kv_layout& l = t.layout();
-  std::vector<float> k(l.head_dim);
-  visit_dtype(l.kv_dtype, [&](auto elem) {
-    using T = decltype(elem);
-    const T* p = reinterpret_cast<const T*>(t.slot_data(s) + l.key_offset(h)) +
-                 std::size_t{tok} * l.head_dim;
-    for (std::uint32_t x = 0; x < l.head_dim; ++x) {
-      k[x] = to_float(p[x]);
-    }
-  });
-  return k;
-}
+using oasiskv::testing::key_of;
 
 // Writes key `k` (head_dim floats) as token `tok` of KV head `h` in slot `s`.
 void set_key(host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok, const float* k) {

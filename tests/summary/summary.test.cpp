@@ -26,20 +26,7 @@ namespace {
 
 using oasiskv::testing::expect_error;
 
-// The key of (slot, kv head, token) as f32.
-std::vector<float> key_of(const host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok) {
-  const kv_layout& l = t.layout();
-  std::vector<float> k(l.head_dim);
-  visit_dtype(l.kv_dtype, [&](auto elem) {
-    using T = decltype(elem);
-    const T* p = reinterpret_cast<const T*>(t.slot_data(s) + l.key_offset(h)) +
-                 std::size_t{tok} * l.head_dim;
-    for (std::uint32_t x = 0; x < l.head_dim; ++x) {
-      k[x] = to_float(p[x]);
-    }
-  });
-  return k;
-}
+using oasiskv::testing::key_of;
 
 std::vector<float> random_queries(std::uint32_t n, std::uint32_t d, std::uint32_t seed,
                                   float zero_share = 0.1f) {

@@ -15,6 +15,22 @@
 
 namespace oasiskv::testing {
 
+// The key of (slot, kv head, token) of a host tier, as f32.
+inline std::vector<float> key_of(const host_tier& t, slot_id s, std::uint32_t h,
+                                 std::uint32_t tok) {
+  const kv_layout& l = t.layout();
+  std::vector<float> k(l.head_dim);
+  visit_dtype(l.kv_dtype, [&](auto elem) {
+    using T = decltype(elem);
+    const T* p = reinterpret_cast<const T*>(t.slot_data(s) + l.key_offset(h)) +
+                 std::size_t{tok} * l.head_dim;
+    for (std::uint32_t x = 0; x < l.head_dim; ++x) {
+      k[x] = to_float(p[x]);
+    }
+  });
+  return k;
+}
+
 //! Fills every slot of `tier` with values uniform in [-1, 1], stored in the layout's dtype.
 inline void fill_random(host_tier& tier, std::uint32_t seed) {
   std::mt19937 rng(seed);
