@@ -10,12 +10,14 @@
 #include <limits>
 #include <mutex>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/concepts/growable_summary.hpp"
 #include "oasiskv/concepts/loadable_summary.hpp"
 #include "oasiskv/concepts/policy_bundle.hpp"
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
@@ -79,6 +81,15 @@ class tiered_kv_cache {
       return false;
     }
   }();
+  //! True when summary entries go only to the capacity slots in use (`growable_summary`: the
+  //! store grows with them), else one entry per capacity slot.
+  static constexpr bool compact_summaries = [] {
+    if constexpr (has_summary) {
+      return growable_summary<summary_type>;
+    } else {
+      return false;
+    }
+  }();
   //! True for kernels that read device memory but accept tables built on the host
   //! (`decode_host_tables`): the cache's tables always are.
   static constexpr bool host_table_kernel = requires(kernel_type & k, const decode_params& dp) {
@@ -104,12 +115,16 @@ class tiered_kv_cache {
         layout_(slow_.layout()),
         capacity_(static_cast<std::size_t>(slow_.num_slots())),
         summaries_(make_summaries(layout_, slow_.num_slots())),
+        entry_of_(compact_summaries ? slow_.num_slots() : 0, no_entry),
         predictor_(std::move(predictor)),
         kernel_(std::move(kernel)),
         engine_(make_engine(slow_)),
         scheduler_(fast_, slow_, engine_, {options.max_evictions_per_step}) {
     if (!(fast_.layout() == layout_)) [[unlikely]] {
       detail::raise(errc::layout_mismatch, "tiered_kv_cache: fast and slow tier layouts differ");
+    }
+    if constexpr (compact_summaries) {
+      free_entries_.reserve(summaries_.capacity());
     }
     if constexpr (requires { slow_.read_only_slots(); }) {
       static_assert(
@@ -213,16 +228,19 @@ class tiered_kv_cache {
         load = true;
       }
     }
+    reserve_entries(total);  // the only step that may allocate: before any slot is held
     std::size_t held = 0;
     try {
       for (; held < total; ++held) {
         capacity_.adopt(slots[held]);
+        bind_entry(slots[held]);
       }
       if constexpr (has_summary) {
         summarize_adopted(tokens, blocks, slots, summaries, load);
       }
     } catch (...) {
       for (std::size_t i = 0; i < held; ++i) {
+        unbind_entry(slots[i]);
         capacity_.deallocate(slots[i]);
       }
       throw;
@@ -463,12 +481,24 @@ class tiered_kv_cache {
     return r;
   }
 
+  //! @brief Bytes of the block-summary store: with `compact_summaries`, entries for the
+  //! capacity slots in use (plus growth slack), else one entry per capacity slot.
+  std::uint64_t summary_bytes() const {
+    std::lock_guard lock(mutex_);
+    if constexpr (has_summary) {
+      return std::uint64_t{summaries_.capacity()} * summaries_.bytes_per_block();
+    } else {
+      return 0;
+    }
+  }
+
   //! @brief Checks every invariant: the scheduler's bookkeeping, residency within the fast tier,
-  //! and every staged block byte-equal to the capacity tier's copy. Returns the blocks compared.
-  //! O(everything): for tests and debugging.
+  //! one summary entry per capacity slot in use, and every staged block byte-equal to the
+  //! capacity tier's copy. Returns the blocks compared. O(everything): for tests and debugging.
   std::size_t audit() {
     std::lock_guard lock(mutex_);
     scheduler_.check_invariants();
+    check_entries();
     if (scheduler_.resident_blocks() > fast_.num_slots()) [[unlikely]] {
       detail::raise(errc::capacity_exceeded, "audit: ", scheduler_.resident_blocks(),
                     " blocks resident in a fast tier of ", fast_.num_slots());
@@ -545,6 +575,8 @@ class tiered_kv_cache {
     std::uint32_t tables_per_seq = 0;
   };
   struct empty_summaries {};
+  static constexpr std::uint32_t no_entry = ~std::uint32_t{0};
+  static constexpr std::uint32_t initial_entries = 64;
   using summary_store = std::conditional_t<has_summary, summary_type, empty_summaries>;
 
   static transfer_type make_engine(slow_tier_type& slow) {
@@ -569,7 +601,7 @@ class tiered_kv_cache {
       if (load) {
         const std::size_t wb = summaries_.wire_bytes();
         for (std::size_t i = 0; i < slots.size(); ++i) {
-          summaries_.load(slots[i], summaries.subspan(i * wb, wb), filled(i));
+          summaries_.load(entry(slots[i]), summaries.subspan(i * wb, wb), filled(i));
         }
         return;
       }
@@ -606,15 +638,17 @@ class tiered_kv_cache {
         } else {
           block = base + i * bb;
         }
-        summaries_.reset(s);
-        summaries_.update(s, block, 0, filled(first + i));
+        summaries_.reset(entry(s));
+        summaries_.update(entry(s), block, 0, filled(first + i));
       }
     }
   }
 
   static summary_store make_summaries(const kv_layout& l, std::uint32_t n) {
     l.validate();
-    if constexpr (has_summary) {
+    if constexpr (compact_summaries) {
+      return summary_type(l, std::min(n, initial_entries));
+    } else if constexpr (has_summary) {
       return summary_type(l, n);
     } else {
       return {};
@@ -656,10 +690,14 @@ class tiered_kv_cache {
         detail::raise(errc::capacity_exceeded, "append: the capacity tier's ", slow_.num_slots(),
                       " slots are all in use");
       }
-      if constexpr (has_summary) {
-        summaries_.reset(*s);
+      try {
+        bind_entry(*s);
+        ls.blocks.push_back(*s);
+      } catch (...) {
+        unbind_entry(*s);
+        capacity_.deallocate(*s);
+        throw;
       }
-      ls.blocks.push_back(*s);
       if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
         ls.tail.assign(layout_.block_bytes(), std::byte{0});
       }
@@ -677,6 +715,7 @@ class tiered_kv_cache {
       try {
         copy_capacity_block(current, *fresh, offset);
       } catch (...) {
+        unbind_entry(*fresh);
         capacity_.deallocate(*fresh);
         throw;
       }
@@ -691,13 +730,24 @@ class tiered_kv_cache {
                     ls.blocks.size() - 1, " for its writer");
     }
     if (cow->copied) {
-      copy_capacity_block(current, cow->slot, offset);
+      try {
+        copy_capacity_block(current, cow->slot, offset);
+      } catch (...) {
+        // `prepare_write` let go of `current` for the new slot: take the reference back.
+        capacity_.retain(current);
+        unbind_entry(cow->slot);
+        capacity_.deallocate(cow->slot);
+        throw;
+      }
       current = cow->slot;
     }
     return current;
   }
 
+  // Copies the first `filled` tokens' block from `from` into `to`, a slot just allocated (its
+  // summary entry is bound here).
   void copy_capacity_block(slot_id from, slot_id to, std::uint32_t filled) {
+    bind_entry(to);
     scheduler_.settle(from);  // a staging copy may still read `from`; it stays valid (shared)
     const std::byte* src = nullptr;
     std::vector<std::byte> buffer;
@@ -711,8 +761,7 @@ class tiered_kv_cache {
       src = buffer.data();
     }
     if constexpr (has_summary) {
-      summaries_.reset(to);
-      summaries_.update(to, src, 0, filled);
+      summaries_.update(entry(to), src, 0, filled);
     }
   }
 
@@ -755,7 +804,7 @@ class tiered_kv_cache {
       }
     }
     if constexpr (has_summary) {
-      summaries_.update(slot, block, offset, count);
+      summaries_.update(entry(slot), block, offset, count);
     }
   }
 
@@ -772,8 +821,101 @@ class tiered_kv_cache {
   void release_capacity_slot(slot_id s) {
     if (capacity_.use_count(s) == 1) {
       scheduler_.forget(s);
+      unbind_entry(s);
     }
     capacity_.deallocate(s);
+  }
+
+  // -- summary entries --------------------------------------------------------------------------
+  // With `compact_summaries`, `entry_of_[slot]` is the summary entry of each capacity slot in
+  // use (`no_entry` otherwise); freed entries are reused first, and the store grows by a
+  // quarter when it runs out. Otherwise a slot's entry is the slot itself.
+
+  std::uint32_t entry(slot_id s) const noexcept {
+    if constexpr (compact_summaries) {
+      return entry_of_[s];
+    } else {
+      return s;
+    }
+  }
+
+  // Makes room for `n` more entries than are in use. May allocate (the store is rebuilt).
+  void reserve_entries(std::size_t n) {
+    if constexpr (compact_summaries) {
+      const std::size_t in_use = entries_used_ - free_entries_.size();
+      const std::size_t cap = summaries_.capacity();
+      if (in_use + n <= cap) {
+        return;
+      }
+      const std::size_t want = std::max(in_use + n, cap + std::max<std::size_t>(cap / 4, 16));
+      const auto grown = static_cast<std::uint32_t>(std::min<std::size_t>(want, entry_of_.size()));
+      free_entries_.reserve(grown);  // so that `unbind_entry` never allocates
+      summaries_.grow(grown);
+    } else {
+      (void)n;
+    }
+  }
+
+  void check_entries() const {
+    if constexpr (compact_summaries) {
+      std::vector<std::uint8_t> seen(entries_used_, 0);
+      for (slot_id s = 0; s < entry_of_.size(); ++s) {
+        const std::uint32_t e = entry_of_[s];
+        const bool held = capacity_.use_count(s) != 0;
+        if (held != (e != no_entry) || (held && (e >= entries_used_ || seen[e]++ != 0)))
+            [[unlikely]] {
+          detail::raise(errc::invalid_argument, "audit: capacity slot ", s, " (",
+                        capacity_.use_count(s), " holders) has summary entry ",
+                        e == no_entry ? std::string("none") : std::to_string(e),
+                        held ? ", not its own" : " while free");
+        }
+      }
+      for (std::uint32_t e : free_entries_) {
+        if (e >= entries_used_ || seen[e]++ != 0) [[unlikely]] {
+          detail::raise(errc::invalid_argument, "audit: free summary entry ", e,
+                        " is in use or listed twice");
+        }
+      }
+      if (static_cast<std::size_t>(std::count(seen.begin(), seen.end(), std::uint8_t{1})) !=
+          entries_used_) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "audit: summary entries lost (", entries_used_,
+                      " handed out)");
+      }
+    }
+  }
+
+  // Gives slot `s` (just allocated or adopted) an empty entry.
+  void bind_entry(slot_id s) {
+    if constexpr (compact_summaries) {
+      std::uint32_t e = no_entry;
+      if (!free_entries_.empty()) {
+        e = free_entries_.back();
+        free_entries_.pop_back();
+      } else {
+        if (entries_used_ == summaries_.capacity()) {
+          reserve_entries(1);
+        }
+        e = entries_used_++;
+      }
+      entry_of_[s] = e;
+      summaries_.reset(e);
+    } else if constexpr (has_summary) {
+      summaries_.reset(s);
+    } else {
+      (void)s;
+    }
+  }
+
+  // Returns the entry of slot `s` (its last holder let go); a no-op for a slot without one.
+  void unbind_entry(slot_id s) noexcept {
+    if constexpr (compact_summaries) {
+      if (entry_of_[s] != no_entry) {
+        free_entries_.push_back(entry_of_[s]);  // fits: never more than entries_used_
+        entry_of_[s] = no_entry;
+      }
+    } else {
+      (void)s;
+    }
   }
 
   void predict(const layer_state& ls, query_view queries, selection& out) {
@@ -783,7 +925,15 @@ class tiered_kv_cache {
     if constexpr (has_summary) {
       in.summaries = &summaries_;
     }
-    in.summary_ids = ls.blocks;
+    if constexpr (compact_summaries) {
+      summary_ids_.resize(ls.blocks.size());
+      for (std::size_t i = 0; i < ls.blocks.size(); ++i) {
+        summary_ids_[i] = entry_of_[ls.blocks[i]];
+      }
+      in.summary_ids = summary_ids_;
+    } else {
+      in.summary_ids = ls.blocks;
+    }
     in.queries = queries;
     if constexpr (addressable_tier<slow_tier_type>) {
       in.keys = slow_.view();
@@ -880,6 +1030,10 @@ class tiered_kv_cache {
   kv_layout layout_;
   refcounted_allocator<allocator_type> capacity_;
   summary_store summaries_;
+  std::vector<std::uint32_t> entry_of_;      // compact_summaries: capacity slot -> entry
+  std::vector<std::uint32_t> free_entries_;  // compact_summaries: entries to reuse
+  std::uint32_t entries_used_ = 0;           // compact_summaries: entries ever handed out
+  std::vector<std::uint32_t> summary_ids_;   // predict's scratch (under the mutex)
   predictor_type predictor_;
   kernel_type kernel_;
   transfer_type engine_;

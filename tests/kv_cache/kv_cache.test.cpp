@@ -2,8 +2,10 @@
 
 #include "support/expect_error.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
@@ -345,6 +347,94 @@ TEST_CASE("tiered_kv_cache: concurrent sequences, 100k operations, every invaria
   CHECK(st.resident_blocks <= 48);
   MESSAGE("steps " << st.sequence_steps << ", hit rate " << st.hit_rate() << ", evicted "
                    << st.blocks_evicted << " blocks");
+}
+
+namespace {
+// A summary that hides `grow`: the cache falls back to one entry per capacity slot.
+template <class S>
+struct slot_indexed : S {
+  using S::S;
+  void grow(std::uint32_t) = delete;
+};
+}  // namespace
+
+TEST_CASE_TEMPLATE("tiered_kv_cache: summary entries only for the slots in use, same selections", S,
+                   minmax_summary<>, mean_summary, int8_key_summary) {
+  using compact =
+      tiered_kv_cache<bundle<lookahead_prefetcher<lru_eviction>, lookahead_predictor<S>>>;
+  using indexed = tiered_kv_cache<
+      bundle<lookahead_prefetcher<lru_eviction>, lookahead_predictor<slot_indexed<S>>>>;
+  static_assert(compact::compact_summaries && !indexed::compact_summaries);
+  // A capacity tier far larger than the sequences: the compact store grows with the blocks in
+  // use; both caches run the same operations and must select (and attend) identically, through
+  // forks, copy-on-write, removals and entry reuse.
+  const kv_layout l{2, 4, 2, 8, 4, dtype::f16};
+  const cache_options opt{.budget_tokens = 16};
+  compact a(host_tier(l, 4096), host_tier(l, 64), opt);
+  indexed b(host_tier(l, 4096), host_tier(l, 64), opt);
+  std::mt19937 rng(31);
+  std::vector<sequence_id> seqs;  // the same ids in both caches
+  std::vector<float> out_a, out_b, lse_a(l.num_q_heads), lse_b(l.num_q_heads);
+  auto append_both = [&](sequence_id s, std::uint32_t n) {
+    for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+      const auto k = random_rows(l, n, rng), v = random_rows(l, n, rng);
+      a.append(s, layer, k.data(), v.data(), n);
+      b.append(s, layer, k.data(), v.data(), n);
+    }
+  };
+  std::size_t attends = 0;
+  for (int op = 0; op < 3000; ++op) {
+    const unsigned r = rng() % 100;
+    if (seqs.empty() || (r < 4 && seqs.size() < 6)) {
+      const sequence_id s = a.add_sequence();
+      REQUIRE(b.add_sequence() == s);
+      seqs.push_back(s);
+      append_both(s, 1 + rng() % 40);
+      continue;
+    }
+    const sequence_id s = seqs[rng() % seqs.size()];
+    const std::uint32_t layer = rng() % l.num_layers;
+    if (r < 7 && seqs.size() > 1) {
+      a.remove(s);
+      b.remove(s);
+      seqs.erase(std::find(seqs.begin(), seqs.end(), s));
+    } else if (r < 10 && seqs.size() < 6) {
+      const sequence_id child = a.fork(s);
+      REQUIRE(b.fork(s) == child);
+      seqs.push_back(child);
+    } else if (r < 45) {
+      append_both(s, 1 + rng() % 3);
+    } else if (r < 70) {
+      const auto draft = random_queries(l, 1 + rng() % 4, rng);
+      const query_view qv{draft.data(), nullptr,
+                          static_cast<std::uint32_t>(draft.size() / (l.num_q_heads * l.head_dim))};
+      a.lookahead(s, layer, qv);
+      b.lookahead(s, layer, qv);
+    } else {
+      const auto q = random_queries(l, 1, rng);
+      out_a.assign(q.size(), 0.0f);
+      out_b.assign(q.size(), 1.0f);
+      const sequence_id one[1] = {s};
+      a.attend(one, layer, q.data(), 1, out_a.data(), lse_a.data());
+      b.attend(one, layer, q.data(), 1, out_b.data(), lse_b.data());
+      CHECK(std::memcmp(out_a.data(), out_b.data(), out_a.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(lse_a.data(), lse_b.data(), lse_a.size() * sizeof(float)) == 0);
+      ++attends;
+    }
+    if (op % 100 == 0) {
+      a.audit();  // one entry per slot in use, none for a free slot, none lost
+      b.audit();
+    }
+  }
+  CHECK(attends > 500);
+  const cache_stats sa = a.stats(), sb = b.stats();
+  CHECK(sa.selected_blocks == sb.selected_blocks);
+  CHECK(sa.step.hits == sb.step.hits);
+  CHECK(sa.step.misses == sb.step.misses);
+  CHECK(sa.selected_blocks < sa.sequence_steps * 8);  // the budget bit: not every block
+  // The slot-indexed store covers all 4096 slots; the compact one what the sequences held.
+  MESSAGE("summary bytes: compact " << a.summary_bytes() << ", one per slot " << b.summary_bytes());
+  CHECK(a.summary_bytes() * 4 < b.summary_bytes());
 }
 
 namespace {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/concepts/growable_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
@@ -154,6 +155,50 @@ TEST_CASE_TEMPLATE("block summary: bad input and memory", S, minmax_summary<f16>
     // An int8 copy of the keys is a quarter of the f16 K+V bytes, plus its scales.
     const std::size_t ratio = std::is_same_v<S, int8_key_summary> ? 3 : 4;
     CHECK(s.bytes_per_block() * ratio <= l.block_bytes());
+  }
+}
+
+TEST_CASE_TEMPLATE("block summary: grow keeps every entry and adds empty ones", S,
+                   minmax_summary<f16>, minmax_summary<bf16>, minmax_summary<float>, mean_summary,
+                   quantized_minmax_summary, int8_key_summary, int4_key_summary) {
+  static_assert(growable_summary<S>);
+  const kv_layout l{1, 8, 2, 24, 16, dtype::f16};
+  host_tier pool(l, 40);
+  testing::fill_random(pool, 5);
+  // 19 entries: the last tile of the 16-lane layouts is partial before and after growing.
+  S grown(l, 19), fixed(l, 40);
+  for (std::uint32_t b = 0; b < 19; ++b) {
+    const std::uint32_t tokens = b % 3 == 0 ? 16 : 1 + b % 16;
+    grown.update(b, pool.slot_data(b), 0, tokens);
+    fixed.update(b, pool.slot_data(b), 0, tokens);
+  }
+  grown.grow(19);  // the same capacity: nothing changes
+  grown.grow(37);
+  CHECK(grown.capacity() == 37);
+  expect_error([&] { grown.grow(36); }, errc::invalid_argument, "grow(36)");
+  for (std::uint32_t b = 19; b < 37; ++b) {
+    CHECK(grown.tokens(b) == 0);
+  }
+  for (std::uint32_t b = 30; b < 37; ++b) {  // a new entry takes keys like an old one
+    grown.update(b, pool.slot_data(b), 0, 16);
+    fixed.update(b, pool.slot_data(b), 0, 16);
+  }
+  std::vector<std::uint32_t> ids;  // old, new-but-empty and new-and-filled entries, shuffled
+  for (std::uint32_t b = 0; b < 37; ++b) {
+    ids.push_back((b * 7) % 37);
+  }
+  const std::vector<float> q = random_queries(6, l.head_dim, 9);
+  for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+    const auto a = scores(grown, h, ids, q, 6);
+    const auto b = scores(fixed, h, ids, q, 6);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= 19 && ids[i] < 30) {  // empty in both: `fixed` never saw these entries
+        for (std::uint32_t r = 0; r < 6; ++r) {
+          CHECK(a[i * 6 + r] == -std::numeric_limits<float>::infinity());
+        }
+      }
+    }
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
   }
 }
 

@@ -44,6 +44,19 @@ class mean_summary {
   score_isa isa() const noexcept { return isa_; }
   void set_isa(score_isa isa) { isa_ = resolve_score_isa(isa); }
 
+  //! @brief Capacity becomes `capacity`: entries keep their sums, the new ones start empty
+  //! (models `growable_summary`). `errc::invalid_argument` below the current capacity.
+  void grow(std::uint32_t capacity) {
+    detail::check_summary_grow("mean_summary", capacity_, capacity);
+    const std::size_t d = layout_.head_dim;
+    auto sums =
+        detail::regrow_parts(sums_, layout_.num_kv_heads, capacity_ * d, capacity * d, 0.0f);
+    auto tokens = detail::regrow(tokens_, capacity, std::uint16_t{0});
+    sums_ = std::move(sums);
+    tokens_ = std::move(tokens);
+    capacity_ = capacity;
+  }
+
   std::size_t bytes_per_block() const noexcept {
     return std::size_t{layout_.num_kv_heads} * layout_.head_dim * sizeof(float) +
            sizeof(std::uint16_t);

@@ -68,6 +68,23 @@ class minmax_summary {
   //! @brief Chooses the scoring path (tests compare them); `errc::unsupported` if it cannot run.
   void set_isa(score_isa isa) { isa_ = resolve(isa); }
 
+  //! @brief Capacity becomes `capacity`: entries keep their bounds, the new ones start empty
+  //! (models `growable_summary`). `errc::invalid_argument` below the current capacity.
+  void grow(std::uint32_t capacity) {
+    detail::check_summary_grow("minmax_summary", capacity_, capacity);
+    const std::uint32_t tiles = (capacity + lanes - 1) / lanes;
+    auto bounds = detail::regrow_parts(bounds_, layout_.num_kv_heads, tiles_ * tile_elems_,
+                                       tiles * tile_elems_, Storage{});
+    auto bias =
+        detail::regrow(bias_, std::size_t{tiles} * lanes, -std::numeric_limits<float>::infinity());
+    auto tokens = detail::regrow(tokens_, capacity, std::uint16_t{0});
+    bounds_ = std::move(bounds);
+    bias_ = std::move(bias);
+    tokens_ = std::move(tokens);
+    tiles_ = tiles;
+    capacity_ = capacity;
+  }
+
   //! @brief Fast-tier bytes of one entry: both bounds of every KV head, the empty-entry bias
   //! and the token count.
   std::size_t bytes_per_block() const noexcept {

@@ -240,6 +240,22 @@ class quantized_key_summary {
   }
 
   std::uint32_t capacity() const noexcept { return capacity_; }
+
+  //! @brief Capacity becomes `capacity`: entries keep their codes, the new ones start empty
+  //! (models `growable_summary`). `errc::invalid_argument` below the current capacity.
+  void grow(std::uint32_t capacity) {
+    detail::check_summary_grow(name, capacity_, capacity);
+    const std::size_t heads = layout_.num_kv_heads;
+    auto codes = detail::regrow_parts(codes_, heads, capacity_ * code_bytes_,
+                                      capacity * code_bytes_, std::uint8_t{0});
+    auto scales = detail::regrow_parts(scales_, heads, std::size_t{capacity_} * tp_,
+                                       std::size_t{capacity} * tp_, detail::qkey_absent);
+    auto tokens = detail::regrow(tokens_, capacity, std::uint16_t{0});
+    codes_ = std::move(codes);
+    scales_ = std::move(scales);
+    tokens_ = std::move(tokens);
+    capacity_ = capacity;
+  }
   const kv_layout& layout() const noexcept { return layout_; }
   score_isa isa() const noexcept { return isa_; }
   //! @brief Chooses the scoring path; `errc::unsupported` if it cannot run.

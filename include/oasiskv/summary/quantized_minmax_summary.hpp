@@ -210,6 +210,30 @@ class quantized_minmax_summary {
   }
 
   std::uint32_t capacity() const noexcept { return capacity_; }
+
+  //! @brief Capacity becomes `capacity`: entries keep their codes, the new ones start empty
+  //! (models `growable_summary`). `errc::invalid_argument` below the current capacity.
+  void grow(std::uint32_t capacity) {
+    detail::check_summary_grow("quantized_minmax_summary", capacity_, capacity);
+    const std::uint32_t tiles = (capacity + lanes - 1) / lanes;
+    const std::size_t heads = layout_.num_kv_heads;
+    auto codes = detail::regrow_parts(codes_, heads, tiles_ * tile_bytes_, tiles * tile_bytes_,
+                                      std::int8_t{0});
+    auto scale = detail::regrow_parts(scale_, heads, std::size_t{tiles_} * lanes,
+                                      std::size_t{tiles} * lanes, 0.0f);
+    auto norm = detail::regrow_parts(norm_, heads, std::size_t{tiles_} * lanes,
+                                     std::size_t{tiles} * lanes, 0.0f);
+    auto bias =
+        detail::regrow(bias_, std::size_t{tiles} * lanes, -std::numeric_limits<float>::infinity());
+    auto tokens = detail::regrow(tokens_, capacity, std::uint16_t{0});
+    codes_ = std::move(codes);
+    scale_ = std::move(scale);
+    norm_ = std::move(norm);
+    bias_ = std::move(bias);
+    tokens_ = std::move(tokens);
+    tiles_ = tiles;
+    capacity_ = capacity;
+  }
   const kv_layout& layout() const noexcept { return layout_; }
   score_isa isa() const noexcept { return isa_; }
   //! @brief Chooses the scoring path; `errc::unsupported` if it cannot run.

@@ -2,8 +2,10 @@
 //! @brief Argument checks shared by the `block_summary` models.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
@@ -21,6 +23,36 @@ inline void check_summary_update(const char* who, const kv_layout& layout, const
     raise(errc::out_of_range, who, "::update: tokens [", first, ", ", std::uint64_t{first} + count,
           ") exceed tokens_per_block = ", layout.tokens_per_block);
   }
+}
+
+//! @brief Throws unless `capacity` may replace `current` in `who::grow`.
+inline void check_summary_grow(const char* who, std::uint32_t current, std::uint32_t capacity) {
+  if (capacity < current) [[unlikely]] {
+    raise(errc::invalid_argument, who, "::grow(", capacity, "): below the current capacity ",
+          current);
+  }
+}
+
+//! @brief `v`, `[parts][old_per_part]` elements, re-laid as `[parts][new_per_part]`: each part
+//! keeps its elements at its front and the rest is `fill`. For head-major summary stores (the
+//! caller moves the result in once every allocation has succeeded).
+template <class T>
+std::vector<T> regrow_parts(const std::vector<T>& v, std::size_t parts, std::size_t old_per_part,
+                            std::size_t new_per_part, const T& fill) {
+  std::vector<T> grown(parts * new_per_part, fill);
+  for (std::size_t p = 0; p < parts; ++p) {
+    std::copy_n(v.begin() + static_cast<std::ptrdiff_t>(p * old_per_part), old_per_part,
+                grown.begin() + static_cast<std::ptrdiff_t>(p * new_per_part));
+  }
+  return grown;
+}
+
+//! @brief A copy of `v` resized to `n` elements, the new ones `fill`.
+template <class T>
+std::vector<T> regrow(const std::vector<T>& v, std::size_t n, const T& fill) {
+  std::vector<T> grown(n, fill);
+  std::copy_n(v.begin(), std::min(n, v.size()), grown.begin());
+  return grown;
 }
 
 }  // namespace oasiskv::detail
