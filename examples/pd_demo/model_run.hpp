@@ -270,11 +270,10 @@ int decode_with(const mini_decoder::model& m, const setup& s, const decode_args&
   const double decode_s = seconds_since(t0);
   const auto st = cache.stats();
   const std::uint64_t remote_bytes = engine.stats().bytes + summary_bytes;
-  const std::uint64_t host_kv = (std::uint64_t{fast} + tail) * l.block_bytes() +
-                                (oasiskv::tiered_kv_cache<Bundle>::loads_summaries
-                                     ? std::uint64_t{cache.capacity_tier().first_slots() + tail} *
-                                           oasiskv::disagg::summary_bytes(l)
-                                     : 0);
+  // The staging pool and the local tail, plus the facade's summary store (entries for the
+  // adopted and appended blocks only: `minmax_summary` grows with them).
+  const std::uint64_t host_kv =
+      (std::uint64_t{fast} + tail) * l.block_bytes() + cache.summary_bytes();
   std::string toks;
   for (int t : out) {
     toks += (toks.empty() ? "" : ",") + std::to_string(t);
