@@ -1,9 +1,13 @@
-// Failure tests over tcp (ctest runs this suite only with UCX_TLS=tcp): a killed or stopped
+// Failure tests, over tcp and over sm (ctest runs the suite with each): a killed or stopped
 // exporter fails its own sequences within the batch deadline while another exporter's go on; a
-// dead decode node's leases lapse and it releases nothing it does not own.
+// dead decode node's leases lapse and it releases nothing it does not own. Over shared memory
+// the gets of a force-closed endpoint never report back (UCX 1.13), so the engine reports the
+// failure only after its grace period (`ucx_engine` keeps the destination slots quarantined
+// until then): the bound is the deadline plus that grace.
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -90,7 +94,9 @@ void exporter_failure(int sig, const char* expect_in_message) {
   REQUIRE(failed);
   MESSAGE("exporter A failed after ", std::chrono::duration<double, std::milli>(took).count(),
           " ms: ", what);
-  CHECK(took < deadline + ms(300));
+  const char* tls = std::getenv("UCX_TLS");
+  const bool shared_memory = tls != nullptr && std::string(tls) == "sm";
+  CHECK(took < deadline + (shared_memory ? ms(2000) : ms(0)) + ms(300));
   CHECK(what.find(ta.name()) != std::string::npos);
   CHECK(what.find(expect_in_message) != std::string::npos);
   CHECK_THROWS_AS(engine.submit(ta, local, ca), oasiskv::error);  // A stays dead
