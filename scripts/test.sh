@@ -49,7 +49,9 @@ run_ctest() {  # run_ctest <build dir> <ctest args...>: adds its counts to the t
   skipped=$((skipped + skip))
 }
 
-echo "== format (clang-format-14)"
+phase() { echo "== $1 (at ${SECONDS}s)"; }
+
+phase "format (clang-format-14)"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   mapfile -t sources < <(git ls-files '*.hpp' '*.cpp' '*.cuh' '*.cu')
 else
@@ -62,21 +64,21 @@ else
   passed=$((passed + 1))
 fi
 
-echo "== build and test: -Werror (preset ci)"
+phase "build and test: -Werror (preset ci)"
 cmake --preset ci "${OASISKV_CUDA_ARGS[@]}" >/dev/null
 cmake --build --preset ci -j "$jobs"
 run_ctest build/ci
 
-echo "== build and test: AddressSanitizer + UndefinedBehaviorSanitizer (preset asan)"
+phase "build and test: AddressSanitizer + UndefinedBehaviorSanitizer (preset asan)"
 cmake --preset asan >/dev/null
 cmake --build --preset asan -j "$jobs" --target oasiskv_tests
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   run_ctest build/asan -LE 'package|compile_fail'
 
-echo "== build and test: ThreadSanitizer, concurrent parts (preset tsan)"
+phase "build and test: ThreadSanitizer, concurrent parts (preset tsan)"
 cmake --preset tsan >/dev/null
 cmake --build --preset tsan -j "$jobs" --target oasiskv_concurrent_tests
 TSAN_OPTIONS=halt_on_error=1 run_ctest build/tsan -L concurrent
 
-echo "test.sh: $passed passed, $failed failed, $skipped skipped"
+echo "test.sh: $passed passed, $failed failed, $skipped skipped (${SECONDS}s)"
 [ "$failed" -eq 0 ]
