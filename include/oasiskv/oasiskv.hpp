@@ -14,8 +14,8 @@
 
 #include "oasiskv/concepts/block_allocator.hpp"
 #include "oasiskv/concepts/block_summary.hpp"
-#include "oasiskv/concepts/importance_predictor.hpp"
 #include "oasiskv/concepts/growable_summary.hpp"
+#include "oasiskv/concepts/importance_predictor.hpp"
 #include "oasiskv/concepts/loadable_summary.hpp"
 #include "oasiskv/concepts/policy_bundle.hpp"
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
