@@ -249,10 +249,12 @@ TEST_CASE("score_eviction keeps the blocks the predictor keeps wanting") {
   for (int round = 0; round < 6; ++round) {
     s.prefetch(ids({0, 1}));  // heavy hitters, wanted every step
   }
-  s.prefetch(ids({10}));
-  s.prefetch(ids({11}));
-  s.prefetch(ids({12}));  // one-off blocks displace each other, not 0 and 1
-  s.prefetch(ids({13}));
+  // One-off blocks displace each other, not 0 and 1. Each copy is waited for: a block still in
+  // flight cannot be evicted, and under load the copy engine's worker may not have run yet.
+  for (const slot_id one_off : {10u, 11u, 12u, 13u}) {
+    s.prefetch(ids({one_off}));
+    REQUIRE(s.settle(one_off).has_value());
+  }
   CHECK(s.resident_slot(0).has_value());
   CHECK(s.resident_slot(1).has_value());
   s.check_invariants();
