@@ -373,9 +373,7 @@ BENCHMARK(bm_lookahead_minmax_bf16)
 BENCHMARK(bm_lookahead_quantized)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_legacy_f16)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_minmax_softmax)
-    ->ArgNames({"shape", "tokens"})
-    ->Args({0, 4})
-    ->Args({1, 4})
+    ->Apply(shape_args)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_mean)

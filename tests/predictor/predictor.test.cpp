@@ -357,6 +357,62 @@ struct scripted_summary {
 static_assert(block_summary<scripted_summary>);
 }  // namespace
 
+TEST_CASE("softmax mass aggregation equals a double-precision softmax over blocks") {
+  // Block counts on both sides of the vector widths (the AVX2 exponentials take 16 and 8 at a
+  // time), 1 to 12 rows, two KV heads folded into one table, draft weights, and scores that
+  // overflowed (+inf) or describe an empty entry (-inf).
+  std::mt19937 rng(5);
+  std::normal_distribution<float> score(0.0f, 6.0f);
+  for (const std::uint32_t blocks : {1u, 7u, 8u, 23u, 64u, 2049u}) {
+    for (const std::uint32_t rows : {1u, 3u, 12u}) {
+      CAPTURE(blocks);
+      CAPTURE(rows);
+      const std::uint32_t group = rows % 3 == 0 ? 3 : 1, tokens = rows / group;
+      std::vector<float> weights(tokens);
+      for (float& w : weights) {
+        w = 0.25f + static_cast<float>(rng() % 4);
+      }
+      const aggregation_context ctx{blocks, rows, group, 0.125f, weights.data()};
+      std::vector<std::vector<float>> raw(2, std::vector<float>(std::size_t{blocks} * rows));
+      for (auto& head : raw) {
+        for (float& x : head) {
+          x = score(rng);
+        }
+      }
+      raw[0][0] = std::numeric_limits<float>::infinity();
+      if (blocks > 2) {
+        raw[1][std::size_t{2} * rows] = -std::numeric_limits<float>::infinity();
+      }
+      std::vector<float> acc(blocks);
+      confidence_weighted_aggregation agg;
+      agg.combine(ctx, raw[0].data(), acc.data(), true);
+      agg.combine(ctx, raw[1].data(), acc.data(), false);
+      std::vector<double> want(blocks, 0.0);
+      constexpr double lim = std::numeric_limits<float>::max();
+      for (const auto& head : raw) {
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          double top = -lim, sum = 0.0;
+          auto clamped = [&](std::uint32_t i) {
+            return std::clamp(static_cast<double>(head[std::size_t{i} * rows + r]), -lim, lim);
+          };
+          for (std::uint32_t i = 0; i < blocks; ++i) {
+            top = std::max(top, clamped(i));
+          }
+          for (std::uint32_t i = 0; i < blocks; ++i) {
+            sum += std::exp(0.125 * (clamped(i) - top));
+          }
+          for (std::uint32_t i = 0; i < blocks; ++i) {
+            want[i] += weights[r / group] * std::exp(0.125 * (clamped(i) - top)) / sum;
+          }
+        }
+      }
+      for (std::uint32_t i = 0; i < blocks; ++i) {
+        CHECK(acc[i] == doctest::Approx(want[i]).epsilon(1e-4).scale(1e-6));
+      }
+    }
+  }
+}
+
 TEST_CASE("aggregation: max follows one draft's spike, softmax mass follows the consensus") {
   // Eight drafts, six blocks, room for one block besides the sink and the last block. Draft 0
   // wants block 1 strongly (score 40); all eight want block 3 a little less (30).

@@ -58,51 +58,35 @@ class softmax_mass {
   void combine(const aggregation_context& c, const float* raw, float* acc, bool first,
                Weight&& weight) {
     const std::uint32_t n = c.num_rows;
-    row_max_.assign(n, -std::numeric_limits<float>::max());
-    row_sum_.assign(n, 0.0f);
-    exps_.resize(std::size_t{c.num_blocks} * n);
-    // Clamping to finite values keeps an overflowed bound (+inf) or an empty entry (-inf) from
-    // turning the subtraction below into NaN; such blocks take all, or none, of the mass.
+    const std::size_t blocks = c.num_blocks;
+    // Transposed to [row][block] on the way in, so that the exponentials, each row's sum and
+    // the weighted accumulation run over contiguous blocks (vectorised), whatever the number of
+    // rows. Clamping to finite values keeps an overflowed bound (+inf) or an empty entry (-inf)
+    // from turning the subtraction below into NaN; such blocks take all, or none, of the mass.
     constexpr float lim = std::numeric_limits<float>::max();
-    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
-      const float* s = raw + std::size_t{i} * n;
-      float* e = exps_.data() + std::size_t{i} * n;
+    row_max_.assign(n, -lim);
+    cols_.resize(std::size_t{n} * blocks);
+    for (std::size_t i = 0; i < blocks; ++i) {
+      const float* s = raw + i * n;
       for (std::uint32_t r = 0; r < n; ++r) {
         const float v = s[r] <= lim ? (s[r] >= -lim ? s[r] : -lim) : lim;
-        e[r] = v;
+        cols_[r * blocks + i] = v;
         row_max_[r] = std::max(row_max_[r], v);
       }
     }
-    // The exponentials, vectorised (the bulk of this aggregation's time): the row maxima repeat
-    // with period n along the [block][row] array.
-    if (n > 0) {
-      pattern_.resize(std::size_t{n} + 8);
-      for (std::size_t j = 0; j < pattern_.size(); ++j) {
-        pattern_[j] = row_max_[j % n];
-      }
-      detail::scaled_exp(exps_.data(), pattern_.data(), n, exps_.size(), c.scale, exps_.data());
-    }
-    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
-      const float* e = exps_.data() + std::size_t{i} * n;
-      for (std::uint32_t r = 0; r < n; ++r) {
-        row_sum_[r] += e[r];
-      }
+    if (first) {
+      std::fill(acc, acc + blocks, 0.0f);
     }
     for (std::uint32_t r = 0; r < n; ++r) {
-      row_sum_[r] = weight(r / c.group_size) / row_sum_[r];  // row_sum_ >= 1: the max gives 1
-    }
-    for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
-      const float* e = exps_.data() + std::size_t{i} * n;
-      float m = 0.0f;
-      for (std::uint32_t r = 0; r < n; ++r) {
-        m += e[r] * row_sum_[r];
-      }
-      acc[i] = first ? m : acc[i] + m;
+      float* e = cols_.data() + r * blocks;
+      const float sum = detail::exp_sum(e, row_max_[r], blocks, c.scale, e);
+      // sum >= 1: the row's maximum contributes exp(0).
+      detail::add_scaled(acc, e, weight(r / c.group_size) / sum, blocks);
     }
   }
 
  private:
-  std::vector<float> row_max_, row_sum_, exps_, pattern_;  // reused: no steady-state allocation
+  std::vector<float> row_max_, cols_;  // reused: no steady-state allocation
 };
 
 }  // namespace detail

@@ -393,39 +393,78 @@ OASISKV_SCORE_TARGET_AVX2 inline __m256 exp8_avx2(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// out[i] = exp(scale * (x[i] - period_values[i % period])); `pattern` holds period_values
-// repeated, at least period + 8 of them, so 8 lanes starting at any phase load at once.
-OASISKV_SCORE_TARGET_AVX2 inline void scaled_exp_avx2(const float* x, const float* pattern,
-                                                      std::uint32_t period, std::size_t count,
-                                                      float scale, float* out) {
-  const __m256 s = _mm256_set1_ps(scale);
+// out[i] = exp(scale * (x[i] - m)); returns the sum of the out[i]. Two accumulators: the adds of
+// consecutive vectors do not wait on each other.
+OASISKV_SCORE_TARGET_AVX2 inline float exp_sum_avx2(const float* x, float m, std::size_t count,
+                                                    float scale, float* out) {
+  const __m256 s = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  std::size_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256 e0 = exp8_avx2(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+    const __m256 e1 = exp8_avx2(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), mv)));
+    _mm256_storeu_ps(out + i, e0);
+    _mm256_storeu_ps(out + i + 8, e1);
+    a0 = _mm256_add_ps(a0, e0);
+    a1 = _mm256_add_ps(a1, e1);
+  }
+  for (; i + 8 <= count; i += 8) {
+    const __m256 e0 = exp8_avx2(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+    _mm256_storeu_ps(out + i, e0);
+    a0 = _mm256_add_ps(a0, e0);
+  }
+  float sum = hsum8(_mm256_add_ps(a0, a1));
+  for (; i < count; ++i) {
+    out[i] = std::exp(scale * (x[i] - m));
+    sum += out[i];
+  }
+  return sum;
+}
+
+// acc[i] += k * x[i].
+OASISKV_SCORE_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x, float k,
+                                                      std::size_t count) {
+  const __m256 kv = _mm256_set1_ps(k);
   std::size_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    const __m256 m = _mm256_loadu_ps(pattern + i % period);
-    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), m);
-    _mm256_storeu_ps(out + i, exp8_avx2(_mm256_mul_ps(s, d)));
+    _mm256_storeu_ps(acc + i,
+                     _mm256_fmadd_ps(kv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(acc + i)));
   }
   for (; i < count; ++i) {
-    out[i] = std::exp(scale * (x[i] - pattern[i % period]));
+    acc[i] += k * x[i];
   }
 }
 #endif  // OASISKV_SCORE_X86
 
-//! @brief `out[i] = exp(scale * (x[i] - pattern[i % period]))` for `i < count` (`x` finite;
-//! `out` may be `x`). `pattern` holds at least `period + 8` values repeating with `period`. The
-//! AVX2 path's polynomial is within about 2 ulp of `std::exp` and returns ~1e-38, not 0, below
-//! -87.3; the scalar path is `std::exp`.
-inline void scaled_exp(const float* x, const float* pattern, std::uint32_t period,
-                       std::size_t count, float scale, float* out) {
+//! @brief `out[i] = exp(scale * (x[i] - m))` for `i < count` (`x` finite; `out` may be `x`);
+//! returns the sum of the `out[i]`. The AVX2 path's polynomial is within about 2 ulp of
+//! `std::exp` and returns ~1e-38, not 0, below -87.3; the scalar path is `std::exp`.
+inline float exp_sum(const float* x, float m, std::size_t count, float scale, float* out) {
 #if OASISKV_SCORE_X86
   static const bool avx2 = score_isa_supported(score_isa::avx2);
   if (avx2) {
-    scaled_exp_avx2(x, pattern, period, count, scale, out);
+    return exp_sum_avx2(x, m, count, scale, out);
+  }
+#endif
+  float sum = 0.0f;
+  for (std::size_t i = 0; i < count; ++i) {
+    out[i] = std::exp(scale * (x[i] - m));
+    sum += out[i];
+  }
+  return sum;
+}
+
+//! @brief `acc[i] += k * x[i]` for `i < count`.
+inline void add_scaled(float* acc, const float* x, float k, std::size_t count) {
+#if OASISKV_SCORE_X86
+  static const bool avx2 = score_isa_supported(score_isa::avx2);
+  if (avx2) {
+    add_scaled_avx2(acc, x, k, count);
     return;
   }
 #endif
   for (std::size_t i = 0; i < count; ++i) {
-    out[i] = std::exp(scale * (x[i] - pattern[i % period]));
+    acc[i] += k * x[i];
   }
 }
 
