@@ -47,13 +47,13 @@ constexpr std::uint32_t context = 32768;
 constexpr std::uint32_t budget_tokens = 2048;
 const kv_layout layout{4, 9, 3, 64, 16, dtype::f16};  // SmolLM2's attention, 4 layers
 
-template <class Scheduler>
+template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
 struct bundle {
   using allocator = free_list_allocator;
   using fast_tier = host_tier;
   using slow_tier = file_tier;
   using transfer = cpu_copy_engine;
-  using predictor = lookahead_predictor<minmax_summary<>>;
+  using predictor = Predictor;
   using scheduler = Scheduler;
   using kernel = cpu::sparse_decode;
 };
@@ -113,11 +113,11 @@ struct query_walk {
   }
 };
 
-template <class Scheduler>
-std::unique_ptr<tiered_kv_cache<bundle<Scheduler>>> make_cache(std::uint32_t fast_slots,
-                                                               kv_source& src, sequence_id& seq) {
+template <class Bundle>
+std::unique_ptr<tiered_kv_cache<Bundle>> make_cache(std::uint32_t fast_slots, kv_source& src,
+                                                    sequence_id& seq) {
   const std::uint32_t capacity = layout.num_layers * layout.blocks_for(context + 4096);
-  auto cache = std::make_unique<tiered_kv_cache<bundle<Scheduler>>>(
+  auto cache = std::make_unique<tiered_kv_cache<Bundle>>(
       file_tier(layout, capacity, {.path = "/tmp"}),
       host_tier(layout, fast_slots, {.prefault = true}),
       cache_options{.budget_tokens = budget_tokens, .sink_blocks = 1, .recent_blocks = 2});
@@ -179,11 +179,11 @@ void run_decode_steps(benchmark::State& state, Cache* cache, sequence_id seq, kv
   state.counters["fast_MiB"] = static_cast<double>(fast_slots) * layout.block_bytes() / (1 << 20);
 }
 
-template <class Scheduler>
+template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
 void bm_decode_step(benchmark::State& state, std::uint32_t fast_slots) {
   kv_source src;
   sequence_id seq{};
-  auto cache = make_cache<Scheduler>(fast_slots, src, seq);
+  auto cache = make_cache<bundle<Scheduler, Predictor>>(fast_slots, src, seq);
   run_decode_steps(state, cache.get(), seq, src, fast_slots);
 }
 
@@ -197,6 +197,11 @@ void bm_on_demand(benchmark::State& s) {
 }
 void bm_all_resident(benchmark::State& s) {
   bm_decode_step<all_resident>(s, layout.num_layers * layout.blocks_for(context + 4096));
+}
+// The same with the int8 min/max summary (half the f16 summary's bytes): the predictor's share.
+void bm_all_resident_qminmax(benchmark::State& s) {
+  bm_decode_step<all_resident, lookahead_predictor<quantized_minmax_summary>>(
+      s, layout.num_layers * layout.blocks_for(context + 4096));
 }
 
 #if OASISKV_BENCH_UCX
@@ -375,6 +380,7 @@ void bm_dense_attention(benchmark::State& state) {
 BENCHMARK(bm_lookahead)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_on_demand)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_all_resident)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_all_resident_qminmax)->Arg(5)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_dense_attention)->Unit(benchmark::kMillisecond)->UseRealTime();
 #if OASISKV_BENCH_UCX
 BENCHMARK(bm_ucx_lookahead)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
