@@ -638,8 +638,7 @@ class tiered_kv_cache {
         } else {
           block = base + i * bb;
         }
-        summaries_.reset(entry(s));
-        summaries_.update(entry(s), block, 0, filled(first + i));
+        summaries_.update(entry(s), block, 0, filled(first + i));  // bind_entry emptied it
       }
     }
   }
