@@ -19,6 +19,7 @@
 #include "oasiskv/concepts/loadable_summary.hpp"
 #include "oasiskv/concepts/policy_bundle.hpp"
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
+#include "oasiskv/concepts/row_scoring_summary.hpp"
 #include "oasiskv/concepts/sparse_attention_kernel.hpp"
 #include "oasiskv/concepts/tier_backend.hpp"
 #include "oasiskv/concepts/transfer_engine.hpp"

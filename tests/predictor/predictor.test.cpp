@@ -379,9 +379,13 @@ TEST_CASE("softmax mass aggregation equals a double-precision softmax over block
           x = score(rng);
         }
       }
+      // raw is [row][block], as the aggregations read it.
       raw[0][0] = std::numeric_limits<float>::infinity();
       if (blocks > 2) {
-        raw[1][std::size_t{2} * rows] = -std::numeric_limits<float>::infinity();
+        raw[1][2] = -std::numeric_limits<float>::infinity();
+      }
+      if (blocks > 3) {
+        raw[0][std::size_t{rows - 1} * blocks + 3] = std::numeric_limits<float>::quiet_NaN();
       }
       std::vector<float> acc(blocks);
       confidence_weighted_aggregation agg;
@@ -393,7 +397,8 @@ TEST_CASE("softmax mass aggregation equals a double-precision softmax over block
         for (std::uint32_t r = 0; r < rows; ++r) {
           double top = -lim, sum = 0.0;
           auto clamped = [&](std::uint32_t i) {
-            return std::clamp(static_cast<double>(head[std::size_t{i} * rows + r]), -lim, lim);
+            const double v = head[std::size_t{r} * blocks + i];
+            return v != v ? lim : std::clamp(v, -lim, lim);  // NaN counts as an overflow
           };
           for (std::uint32_t i = 0; i < blocks; ++i) {
             top = std::max(top, clamped(i));

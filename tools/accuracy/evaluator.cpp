@@ -316,9 +316,11 @@ void evaluator::score_and_record(per_block_size& bs, std::uint32_t nb, std::uint
           acc_.resize(std::size_t{tables} * nb);
           for (std::uint32_t hk = 0; hk < KH; ++hk) {
             sub_.resize(std::size_t{nb} * nsub);
-            for (std::uint32_t b = 0; b < nb; ++b) {
+            for (std::uint32_t b = 0; b < nb; ++b) {  // to the aggregations' [row][block]
               const float* src = raw + (std::size_t{hk} * nb + b) * rows + t0 * G;
-              std::copy(src, src + nsub, sub_.data() + std::size_t{b} * nsub);
+              for (std::uint32_t r = 0; r < nsub; ++r) {
+                sub_[std::size_t{r} * nb + b] = src[r];
+              }
             }
             float* a = acc_.data() + std::size_t{per_head ? hk : 0} * nb;
             const bool first = per_head || hk == 0;

@@ -16,8 +16,9 @@
 
 namespace oasiskv {
 
-//! @brief What an aggregation sees of one KV head's raw scores `raw[block * num_rows + row]`.
-//! Row `r` is q head `r % group_size` of the group, of lookahead token `r / group_size`.
+//! @brief What an aggregation sees of one KV head's raw scores `raw[row * num_blocks + block]`
+//! (row-major: each row's scores over every block are contiguous). Row `r` is q head
+//! `r % group_size` of the group, of lookahead token `r / group_size`.
 struct aggregation_context {
   std::uint32_t num_blocks = 0;
   std::uint32_t num_rows = 0;
@@ -31,18 +32,17 @@ struct aggregation_context {
 //! each draft's peaks compete, so a block that one (possibly wrong) draft wants strongly beats a
 //! block that every draft wants moderately: the selection for the next step gets diluted.
 struct max_aggregation {
-  //! @brief `acc[i] = max(acc[i], max_r raw[i][r])`; `first` starts `acc` afresh.
-  //! Row by row over all blocks: each block's maximum is its own chain, so blocks overlap in
-  //! the pipeline instead of waiting on one short serial chain per block.
+  //! @brief `acc[i] = max(acc[i], max_r raw[r][i])`; `first` starts `acc` afresh.
+  //! Row by row over all blocks: elementwise, so it vectorises.
   void combine(const aggregation_context& c, const float* raw, float* acc, bool first) {
-    const std::uint32_t n = c.num_rows;
+    const std::size_t blocks = c.num_blocks;
     if (first) {
-      std::fill(acc, acc + c.num_blocks, -std::numeric_limits<float>::infinity());
+      std::fill(acc, acc + blocks, -std::numeric_limits<float>::infinity());
     }
-    for (std::uint32_t r = 0; r < n; ++r) {
-      for (std::uint32_t i = 0; i < c.num_blocks; ++i) {
-        const float s = raw[std::size_t{i} * n + r];
-        acc[i] = s > acc[i] ? s : acc[i];
+    for (std::uint32_t r = 0; r < c.num_rows; ++r) {
+      const float* s = raw + r * blocks;
+      for (std::size_t i = 0; i < blocks; ++i) {
+        acc[i] = s[i] > acc[i] ? s[i] : acc[i];
       }
     }
   }
@@ -57,36 +57,25 @@ class softmax_mass {
   template <class Weight>
   void combine(const aggregation_context& c, const float* raw, float* acc, bool first,
                Weight&& weight) {
-    const std::uint32_t n = c.num_rows;
     const std::size_t blocks = c.num_blocks;
-    // Transposed to [row][block] on the way in, so that the exponentials, each row's sum and
-    // the weighted accumulation run over contiguous blocks (vectorised), whatever the number of
-    // rows. Clamping to finite values keeps an overflowed bound (+inf) or an empty entry (-inf)
-    // from turning the subtraction below into NaN; such blocks take all, or none, of the mass.
-    constexpr float lim = std::numeric_limits<float>::max();
-    row_max_.assign(n, -lim);
-    cols_.resize(std::size_t{n} * blocks);
-    for (std::size_t i = 0; i < blocks; ++i) {
-      const float* s = raw + i * n;
-      for (std::uint32_t r = 0; r < n; ++r) {
-        const float v = s[r] <= lim ? (s[r] >= -lim ? s[r] : -lim) : lim;
-        cols_[r * blocks + i] = v;
-        row_max_[r] = std::max(row_max_[r], v);
-      }
-    }
     if (first) {
       std::fill(acc, acc + blocks, 0.0f);
     }
-    for (std::uint32_t r = 0; r < n; ++r) {
-      float* e = cols_.data() + r * blocks;
-      const float sum = detail::exp_sum(e, row_max_[r], blocks, c.scale, e);
+    row_.resize(blocks);
+    for (std::uint32_t r = 0; r < c.num_rows; ++r) {
+      // Clamped to finite values so that an overflowed bound (+inf, or NaN) or an empty entry
+      // (-inf) cannot turn the subtraction of the maximum into NaN: such blocks take all, or
+      // none, of the row's mass. Then the exponentials, their sum and the weighted accumulation,
+      // each one vectorised pass over the row's contiguous blocks.
+      const float m = detail::clamp_finite_max(raw + r * blocks, blocks, row_.data());
+      const float sum = detail::exp_sum(row_.data(), m, blocks, c.scale, row_.data());
       // sum >= 1: the row's maximum contributes exp(0).
-      detail::add_scaled(acc, e, weight(r / c.group_size) / sum, blocks);
+      detail::add_scaled(acc, row_.data(), weight(r / c.group_size) / sum, blocks);
     }
   }
 
  private:
-  std::vector<float> row_max_, cols_;  // reused: no steady-state allocation
+  std::vector<float> row_;  // one row's clamped scores, then exponentials; reused
 };
 
 }  // namespace detail

@@ -6,9 +6,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/concepts/row_scoring_summary.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/predictor/aggregation.hpp"
@@ -40,10 +42,16 @@ class summary_scoring_predictor {
             " but seq_len = ", in.seq_len, " needs ", blocks, " blocks");
     }
     const std::uint32_t capacity = in.summaries->capacity();
-    for (std::uint32_t i = 0; i < blocks; ++i) {
-      if (in.summary_ids[i] >= capacity) [[unlikely]] {
-        raise(errc::out_of_range, "prediction_input.summary_ids[", i, "] = ", in.summary_ids[i],
-              " is beyond the summary's capacity = ", capacity);
+    std::uint32_t top = 0;  // a branch-free max first; the offending index only on failure
+    for (const std::uint32_t id : in.summary_ids) {
+      top = id > top ? id : top;
+    }
+    if (top >= capacity) [[unlikely]] {
+      for (std::uint32_t i = 0; i < blocks; ++i) {
+        if (in.summary_ids[i] >= capacity) {
+          raise(errc::out_of_range, "prediction_input.summary_ids[", i, "] = ", in.summary_ids[i],
+                " is beyond the summary's capacity = ", capacity);
+        }
       }
     }
 
@@ -56,12 +64,7 @@ class summary_scoring_predictor {
         blocks, rows, group, 1.0f / std::sqrt(static_cast<float>(l.head_dim)), in.queries.weights};
     for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
       gather_group_rows(l, in.queries, h, rows_);
-      if constexpr (mass_aggregation<Aggregation> && log_mass_summary<Summary>) {
-        // The block's exact softmax mass (in the summary's domain) rather than its max.
-        in.summaries->score_log_mass(h, in.summary_ids, rows_.data(), rows, ctx.scale, raw_.data());
-      } else {
-        in.summaries->score(h, in.summary_ids, rows_.data(), rows, raw_.data());
-      }
+      score_head(*in.summaries, h, in.summary_ids, rows, ctx.scale);
       const std::uint32_t t = Granularity::per_kv_head ? h : 0;
       aggregation_.combine(ctx, raw_.data(), acc_.data() + std::size_t{t} * blocks,
                            Granularity::per_kv_head || h == 0);
@@ -77,11 +80,37 @@ class summary_scoring_predictor {
   }
 
  private:
+  // KV head h's scores of every block into raw_, [rows][blocks] (the aggregations' layout).
+  void score_head(const Summary& s, std::uint32_t h, std::span<const std::uint32_t> ids,
+                  std::uint32_t rows, float scale) {
+    if constexpr (mass_aggregation<Aggregation> && log_mass_summary<Summary>) {
+      // The block's exact softmax mass (in the summary's domain) rather than its max.
+      by_entry_.resize(raw_.size());
+      s.score_log_mass(h, ids, rows_.data(), rows, scale, by_entry_.data());
+      transpose(ids.size(), rows);
+    } else if constexpr (row_scoring_summary<Summary>) {
+      s.score_rows(h, ids, rows_.data(), rows, raw_.data());
+    } else {
+      by_entry_.resize(raw_.size());
+      s.score(h, ids, rows_.data(), rows, by_entry_.data());
+      transpose(ids.size(), rows);
+    }
+  }
+
+  void transpose(std::size_t blocks, std::uint32_t rows) {
+    for (std::size_t i = 0; i < blocks; ++i) {
+      for (std::uint32_t r = 0; r < rows; ++r) {
+        raw_[r * blocks + i] = by_entry_[i * rows + r];
+      }
+    }
+  }
+
   Aggregation aggregation_{};
   block_selector selector_;
-  std::vector<float> rows_;  // [tokens][group][head_dim] of one KV head
-  std::vector<float> raw_;   // [blocks][rows] of one KV head
-  std::vector<float> acc_;   // [tables][blocks]
+  std::vector<float> rows_;      // [tokens][group][head_dim] of one KV head
+  std::vector<float> raw_;       // [rows][blocks] of one KV head
+  std::vector<float> by_entry_;  // [blocks][rows]: `score`'s layout, for other summaries
+  std::vector<float> acc_;       // [tables][blocks]
 };
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <type_traits>
 
@@ -19,6 +20,42 @@ namespace detail {
 
 //! @brief Entries per tile: one AVX-512 vector of f32 lanes.
 inline constexpr std::uint32_t minmax_tile_lanes = 16;
+
+//! @brief Where a tiled scoring kernel writes the score of entry `i` (of the call's entry list)
+//! for query row `r`: `out[i * block_stride + r * row_stride]`. Entry-major (`score`'s
+//! `[entries][rows]`) or row-major (`score_rows`' `[rows][entries]`, what the aggregations read:
+//! no transpose between the kernel and the softmax).
+struct score_sink {
+  float* out = nullptr;
+  std::size_t block_stride = 0;
+  std::size_t row_stride = 0;
+
+  static score_sink entry_major(float* out, std::uint32_t rows) noexcept { return {out, rows, 1}; }
+  static score_sink row_major(float* out, std::size_t entries) noexcept {
+    return {out, 1, entries};
+  }
+  float& at(std::size_t i, std::uint32_t r) const noexcept {
+    return out[i * block_stride + r * row_stride];
+  }
+  //! @brief Entries `i0 + k` (k < count) of rows `r0 + r` (r < rows) from a tile's results
+  //! `res[r * lanes + lane0 + k]`.
+  void put(const float* res, std::uint32_t lanes, std::uint32_t lane0, std::uint32_t count,
+           std::uint32_t r0, std::uint32_t rows, std::size_t i0) const noexcept {
+    if (block_stride == 1) {
+      for (std::uint32_t r = 0; r < rows; ++r) {
+        std::memcpy(out + (r0 + r) * row_stride + i0, res + std::size_t{r} * lanes + lane0,
+                    count * sizeof(float));
+      }
+      return;
+    }
+    for (std::uint32_t k = 0; k < count; ++k) {
+      float* o = out + (i0 + k) * block_stride + r0 * row_stride;
+      for (std::uint32_t r = 0; r < rows; ++r) {
+        o[r * row_stride] = res[std::size_t{r} * lanes + lane0 + k];
+      }
+    }
+  }
+};
 
 //! @brief Where (dimension `x`, bound `which`: 0 = max, 1 = min, lane `j`) lives in a tile of
 //! `2 * head_dim * 16` elements. bf16 tiles pair each lane's max and min in one 32-bit word,
@@ -35,10 +72,11 @@ constexpr std::size_t minmax_tile_at(std::uint32_t x, std::uint32_t which,
 }
 
 // Lanes [lane0, lane0 + count) of one tile against every row of `split` ([n][q+ (d)][q- (d)]);
-// writes out[k * n + r].
+// writes entries i0 + k of `out`.
 template <class S>
 void minmax_lanes_scalar(const S* tile, const float* bias, std::uint32_t d, std::uint32_t lane0,
-                         std::uint32_t count, const float* split, std::uint32_t n, float* out) {
+                         std::uint32_t count, const float* split, std::uint32_t n,
+                         const score_sink& out, std::size_t i0) {
   for (std::uint32_t k = 0; k < count; ++k) {
     const std::uint32_t j = lane0 + k;
     for (std::uint32_t r = 0; r < n; ++r) {
@@ -51,7 +89,7 @@ void minmax_lanes_scalar(const S* tile, const float* bias, std::uint32_t d, std:
           acc[e] += qn[x + e] * widen(tile[minmax_tile_at<S>(x + e, 1, j)]);
         }
       }
-      out[std::size_t{k} * n + r] =
+      out.at(i0 + k, r) =
           (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) +
           bias[j];
     }
@@ -120,7 +158,8 @@ template <class S>
 OASISKV_SCORE_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* bias,
                                                    std::uint32_t d, std::uint32_t lane0,
                                                    std::uint32_t count, const float* split,
-                                                   std::uint32_t n, float* out) {
+                                                   std::uint32_t n, const score_sink& out,
+                                                   std::size_t i0) {
   alignas(64) float res[8 * 16];
   for (std::uint32_t r0 = 0; r0 < n; r0 += 8) {
     const std::uint32_t rows = n - r0 < 8 ? n - r0 : 8;
@@ -151,12 +190,7 @@ OASISKV_SCORE_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* b
         minmax_tile_avx512<1>(tile, bias, d, s, res);
         break;
     }
-    for (std::uint32_t k = 0; k < count; ++k) {
-      float* o = out + std::size_t{k} * n + r0;
-      for (std::uint32_t r = 0; r < rows; ++r) {
-        o[r] = res[r * 16 + lane0 + k];
-      }
-    }
+    out.put(res, 16, lane0, count, r0, rows, i0);
   }
 }
 
@@ -209,7 +243,8 @@ OASISKV_SCORE_TARGET_AVX2 inline void minmax_half_avx2(const S* tile, const floa
 template <class S>
 OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias, std::uint32_t d,
                                                std::uint32_t lane0, std::uint32_t count,
-                                               const float* split, std::uint32_t n, float* out) {
+                                               const float* split, std::uint32_t n,
+                                               const score_sink& out, std::size_t i0) {
   alignas(32) float res[4 * 8];
   for (std::uint32_t half = lane0 / 8; half * 8 < lane0 + count; ++half) {
     const std::uint32_t lo = lane0 > half * 8 ? lane0 : half * 8;
@@ -231,12 +266,7 @@ OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias,
           minmax_half_avx2<1>(tile, bias, d, half, s, res);
           break;
       }
-      for (std::uint32_t j = lo; j < hi; ++j) {
-        float* o = out + std::size_t{j - lane0} * n + r0;
-        for (std::uint32_t r = 0; r < rows; ++r) {
-          o[r] = res[r * 8 + j - half * 8];
-        }
-      }
+      out.put(res, 8, lo - half * 8, hi - lo, r0, rows, i0 + (lo - lane0));
     }
   }
 }
@@ -248,10 +278,16 @@ OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias,
 //! whether they are consecutive ascending, so that runs need no scanning.
 inline bool check_entry_ids(std::span<const std::uint32_t> ids, std::uint32_t capacity,
                             const char* who) {
+  if (ids.empty()) {
+    return true;
+  }
+  // Two branch-free passes (a max and a count) that the compiler vectorises.
   std::uint32_t top = 0, steps = 0;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     top = ids[i] > top ? ids[i] : top;
-    steps += i > 0 && ids[i] == ids[i - 1] + 1 ? 1u : 0u;
+  }
+  for (std::size_t i = 1; i < ids.size(); ++i) {
+    steps += ids[i] == ids[i - 1] + 1 ? 1u : 0u;
   }
   if (top >= capacity) [[unlikely]] {
     for (const std::uint32_t b : ids) {
@@ -277,14 +313,14 @@ inline std::uint32_t tile_run(std::span<const std::uint32_t> ids, std::size_t i,
   return m;
 }
 
-//! @brief `out[i * n + r]` = row `r` of `split` (`[n][q+ (d)][q- (d)]`) against entry `ids[i]`
+//! @brief `out.at(i, r)` = row `r` of `split` (`[n][q+ (d)][q- (d)]`) against entry `ids[i]`
 //! of `tiles` (one KV head's tiles), plus the entry's `bias`. Consecutive ids within a tile are
 //! scored as one run, so a sequence whose entries are consecutive reads each tile once;
 //! scattered ids cost a tile each. `contiguous`: the ids are consecutive ascending.
 template <class S>
 void minmax_score_tiles(score_isa isa, const S* tiles, const float* bias, std::uint32_t d,
                         std::span<const std::uint32_t> ids, bool contiguous, const float* split,
-                        std::uint32_t n, float* out) {
+                        std::uint32_t n, const score_sink& out) {
   const std::size_t tile_elems = std::size_t{2} * d * minmax_tile_lanes;
   std::size_t i = 0;
   while (i < ids.size()) {
@@ -293,19 +329,19 @@ void minmax_score_tiles(score_isa isa, const S* tiles, const float* bias, std::u
     const std::size_t t = b / minmax_tile_lanes;
     const S* tile = tiles + t * tile_elems;
     const float* tb = bias + t * minmax_tile_lanes;
-    float* o = out + i * n;
+    const std::size_t i0 = i;
     i += m;
 #if OASISKV_SCORE_X86
     if (isa == score_isa::avx512) {
-      minmax_run_avx512(tile, tb, d, lane0, m, split, n, o);
+      minmax_run_avx512(tile, tb, d, lane0, m, split, n, out, i0);
       continue;
     }
     if (isa == score_isa::avx2) {
-      minmax_run_avx2(tile, tb, d, lane0, m, split, n, o);
+      minmax_run_avx2(tile, tb, d, lane0, m, split, n, out, i0);
       continue;
     }
 #endif
-    minmax_lanes_scalar(tile, tb, d, lane0, m, split, n, o);
+    minmax_lanes_scalar(tile, tb, d, lane0, m, split, n, out, i0);
   }
 }
 

@@ -201,6 +201,35 @@ class minmax_summary {
   //! `entries[i]` of KV head `h`. One pass over the entries serves all `n` rows.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
              std::uint32_t n, float* out) const {
+    score_into(h, entries, q, n, out, detail::score_sink::entry_major(out, n));
+  }
+
+  //! @brief `score` transposed: `out[r * entries.size() + i]`, the layout the predictor's
+  //! aggregations read (see `row_scoring_summary`), written straight from the kernel's tiles.
+  void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, float* out) const {
+    score_into(h, entries, q, n, out, detail::score_sink::row_major(out, entries.size()));
+  }
+
+  //! @brief The stored bounds of entry `b`, KV head `h`: `[max (head_dim)][min (head_dim)]`, a
+  //! copy (entries are stored interleaved); zeros for an empty entry.
+  std::vector<Storage> bounds(std::uint32_t h, std::uint32_t b) const {
+    check_entry(b);
+    if (h >= layout_.num_kv_heads) [[unlikely]] {
+      detail::raise(errc::out_of_range, "minmax_summary::bounds: kv head ", h,
+                    " >= num_kv_heads = ", layout_.num_kv_heads);
+    }
+    std::vector<Storage> v(std::size_t{2} * layout_.head_dim);
+    for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
+      v[x] = at(h, b, 0, x);
+      v[layout_.head_dim + x] = at(h, b, 1, x);
+    }
+    return v;
+  }
+
+ private:
+  void score_into(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, const float* out, const detail::score_sink& sink) const {
     if (h >= layout_.num_kv_heads) [[unlikely]] {
       detail::raise(errc::out_of_range, "minmax_summary::score: kv head ", h,
                     " >= num_kv_heads = ", layout_.num_kv_heads);
@@ -227,31 +256,17 @@ class minmax_summary {
       }
     }
     detail::minmax_score_tiles(isa_, tiles, bias_.data(), d, entries, contiguous, split.data(), n,
-                               out);
+                               sink);
     if (saturated_) {  // only then can 0 * inf make NaN: an overflowed bound, keep it
-      for (std::size_t i = 0; i < entries.size() * n; ++i) {
-        out[i] = out[i] != out[i] ? std::numeric_limits<float>::infinity() : out[i];
+      for (std::size_t i = 0; i < entries.size(); ++i) {
+        for (std::uint32_t r = 0; r < n; ++r) {
+          float& v = sink.at(i, r);
+          v = v != v ? std::numeric_limits<float>::infinity() : v;
+        }
       }
     }
   }
 
-  //! @brief The stored bounds of entry `b`, KV head `h`: `[max (head_dim)][min (head_dim)]`, a
-  //! copy (entries are stored interleaved); zeros for an empty entry.
-  std::vector<Storage> bounds(std::uint32_t h, std::uint32_t b) const {
-    check_entry(b);
-    if (h >= layout_.num_kv_heads) [[unlikely]] {
-      detail::raise(errc::out_of_range, "minmax_summary::bounds: kv head ", h,
-                    " >= num_kv_heads = ", layout_.num_kv_heads);
-    }
-    std::vector<Storage> v(std::size_t{2} * layout_.head_dim);
-    for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
-      v[x] = at(h, b, 0, x);
-      v[layout_.head_dim + x] = at(h, b, 1, x);
-    }
-    return v;
-  }
-
- private:
   static score_isa resolve(score_isa isa) { return resolve_score_isa(isa); }
 
   // [num_kv_heads][tiles][tile]: one head's entries are contiguous, so scoring a head streams

@@ -49,17 +49,17 @@ inline void qminmax_lanes_scalar(const std::int8_t* tile, std::uint32_t d, std::
 inline void qminmax_run_scalar(const std::int8_t* tile, const float* scale, const float* norm,
                                const float* bias, std::uint32_t d, std::uint32_t lane0,
                                std::uint32_t count, const std::uint32_t* qw, const float* t,
-                               const float* slack, std::uint32_t n, float* out) {
+                               const float* slack, std::uint32_t n, const score_sink& out,
+                               std::size_t i0) {
   for (std::uint32_t r0 = 0; r0 < n; r0 += 8) {
     const std::uint32_t rows = n - r0 < 8 ? n - r0 : 8;
     for (std::uint32_t k = 0; k < count; ++k) {
       std::int32_t acc[8];
       qminmax_lanes_scalar(tile, d, lane0 + k, qw + std::size_t{r0} * (d / 2), rows, acc);
-      float* o = out + std::size_t{k} * n + r0;
       for (std::uint32_t r = 0; r < rows; ++r) {
-        o[r] = (static_cast<float>(acc[r]) * (scale[lane0 + k] * t[r0 + r]) +
-                norm[lane0 + k] * slack[r0 + r]) +
-               bias[lane0 + k];
+        out.at(i0 + k, r0 + r) = (static_cast<float>(acc[r]) * (scale[lane0 + k] * t[r0 + r]) +
+                                  norm[lane0 + k] * slack[r0 + r]) +
+                                 bias[lane0 + k];
       }
     }
   }
@@ -102,12 +102,12 @@ OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t*
   }
 }
 
-// Lanes [lane0, lane0 + count) of one tile, every row: out[k * n + r] =
+// Lanes [lane0, lane0 + count) of one tile, every row: entry i0 + k, row r of `out` =
 // dot * (scale * t[r]) + slack[r] * norm + bias, the epilogue in vectors of 16 entries.
 OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_run_vnni(
     const std::int8_t* tile, const float* scale, const float* norm, const float* bias,
     std::uint32_t d, std::uint32_t lane0, std::uint32_t count, const std::uint32_t* qw,
-    const float* t, const float* slack, std::uint32_t n, float* out) {
+    const float* t, const float* slack, std::uint32_t n, const score_sink& out, std::size_t i0) {
   alignas(64) std::int32_t acc[8 * 16];
   alignas(64) float res[8 * 16];
   const __m512 sv = _mm512_loadu_ps(scale), nv = _mm512_loadu_ps(norm);
@@ -147,12 +147,7 @@ OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_run_vnni(
                                        _mm512_mul_ps(nv, _mm512_set1_ps(slack[r0 + r])));
       _mm512_store_ps(res + 16 * r, _mm512_add_ps(v, bv));
     }
-    for (std::uint32_t k = 0; k < count; ++k) {
-      float* o = out + std::size_t{k} * n + r0;
-      for (std::uint32_t r = 0; r < rows; ++r) {
-        o[r] = res[r * 16 + lane0 + k];
-      }
-    }
+    out.put(res, 16, lane0, count, r0, rows, i0);
   }
 }
 #pragma GCC diagnostic pop
@@ -311,6 +306,18 @@ class quantized_minmax_summary {
   //! `entries[i]` of KV head `h`.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
              std::uint32_t n, float* out) const {
+    score_into(h, entries, q, n, out, detail::score_sink::entry_major(out, n));
+  }
+
+  //! @brief `score` transposed: `out[r * entries.size() + i]` (see `row_scoring_summary`).
+  void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, float* out) const {
+    score_into(h, entries, q, n, out, detail::score_sink::row_major(out, entries.size()));
+  }
+
+ private:
+  void score_into(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, const float* out, const detail::score_sink& sink) const {
     if (h >= layout_.num_kv_heads) [[unlikely]] {
       detail::raise(errc::out_of_range, "quantized_minmax_summary::score: kv head ", h,
                     " >= num_kv_heads = ", layout_.num_kv_heads);
@@ -364,18 +371,17 @@ class quantized_minmax_summary {
 #if OASISKV_SCORE_X86
       if (vnni_) {
         detail::qminmax_run_vnni(codes, sc, nm, bs, d, lane0, m, qw.data(), row.data(),
-                                 row.data() + n, n, out + i * n);
+                                 row.data() + n, n, sink, i);
       } else
 #endif
       {
         detail::qminmax_run_scalar(codes, sc, nm, bs, d, lane0, m, qw.data(), row.data(),
-                                   row.data() + n, n, out + i * n);
+                                   row.data() + n, n, sink, i);
       }
       i += m;
     }
   }
 
- private:
   static float round_up(double v) noexcept {
     const float f = static_cast<float>(v);
     return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity())

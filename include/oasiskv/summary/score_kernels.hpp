@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -421,6 +422,36 @@ OASISKV_SCORE_TARGET_AVX2 inline float exp_sum_avx2(const float* x, float m, std
   return sum;
 }
 
+// out[i] = x[i] clamped to [-FLT_MAX, FLT_MAX] (NaN to FLT_MAX); returns the largest out[i].
+OASISKV_SCORE_TARGET_AVX2 inline float clamp_finite_max_avx2(const float* x, std::size_t count,
+                                                             float* out) {
+  constexpr float lim = std::numeric_limits<float>::max();
+  const __m256 hi = _mm256_set1_ps(lim), lo = _mm256_set1_ps(-lim);
+  __m256 m0 = lo, m1 = lo;
+  std::size_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    // minps returns its second operand when either is NaN: NaN and +inf become lim.
+    const __m256 v0 = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(x + i), hi), lo);
+    const __m256 v1 = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(x + i + 8), hi), lo);
+    _mm256_storeu_ps(out + i, v0);
+    _mm256_storeu_ps(out + i + 8, v1);
+    m0 = _mm256_max_ps(m0, v0);
+    m1 = _mm256_max_ps(m1, v1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  float m = -lim;
+  for (const float v : lanes) {
+    m = v > m ? v : m;
+  }
+  for (; i < count; ++i) {
+    const float v = x[i] <= lim ? (x[i] >= -lim ? x[i] : -lim) : lim;
+    out[i] = v;
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
 // acc[i] += k * x[i].
 OASISKV_SCORE_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x, float k,
                                                       std::size_t count) {
@@ -452,6 +483,26 @@ inline float exp_sum(const float* x, float m, std::size_t count, float scale, fl
     sum += out[i];
   }
   return sum;
+}
+
+//! @brief `out[i]` = `x[i]` clamped to the finite floats (`+inf` and NaN to the largest, `-inf`
+//! to the lowest) for `i < count` (`out` may be `x`); returns the largest `out[i]`, or the lowest
+//! finite float when `count` is 0.
+inline float clamp_finite_max(const float* x, std::size_t count, float* out) {
+#if OASISKV_SCORE_X86
+  static const bool avx2 = score_isa_supported(score_isa::avx2);
+  if (avx2) {
+    return clamp_finite_max_avx2(x, count, out);
+  }
+#endif
+  constexpr float lim = std::numeric_limits<float>::max();
+  float m = -lim;
+  for (std::size_t i = 0; i < count; ++i) {
+    const float v = x[i] <= lim ? (x[i] >= -lim ? x[i] : -lim) : lim;
+    out[i] = v;
+    m = v > m ? v : m;
+  }
+  return m;
 }
 
 //! @brief `acc[i] += k * x[i]` for `i < count`.
