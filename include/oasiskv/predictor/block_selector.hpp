@@ -45,50 +45,61 @@ class block_selector {
     // budget >= sinks + recent (checked by the caller) and budget < n, so 0 <= k < candidates.
     const std::uint32_t k = sp.budget_blocks - sinks - recent;
     if (k > 0) {
+      // Every loop below is branch-free (selects and counters, no data-dependent jumps), so a
+      // selection costs about the same whatever the scores, and the copies vectorise.
       constexpr float inf = std::numeric_limits<float>::infinity();
       const std::uint32_t m = end - sinks;
       ranked_.resize(m);
+      float* ranked = ranked_.data();
       for (std::uint32_t i = 0; i < m; ++i) {
         const float s = scores[sinks + i];
-        ranked_[i] = s != s ? inf : s;
+        ranked[i] = s == s ? s : inf;
       }
       // When k is a small share of the candidates, the least of k chunk maxima is a cheap
       // lower bound of the k-th highest score (each chunk holds a score at least that high):
       // only the scores at or above it go to nth_element.
-      std::vector<float>* pool = &ranked_;
+      float* pool = ranked;
+      std::uint32_t pooled = m;
       if (std::uint64_t{k} * 8 <= m) {
         const std::uint32_t chunk = m / k;
         float lower = inf;
         for (std::uint32_t c = 0; c < k; ++c) {
           float top = -inf;
           for (std::uint32_t i = c * chunk; i < (c + 1) * chunk; ++i) {
-            top = ranked_[i] > top ? ranked_[i] : top;
+            top = ranked[i] > top ? ranked[i] : top;
           }
           lower = top < lower ? top : lower;
         }
-        pool_.clear();
-        pool_.reserve(m);  // allocates only when the sequence has grown
+        pool_.resize(m);  // allocates only when the sequence has grown
+        pool = pool_.data();
+        pooled = 0;
         for (std::uint32_t i = 0; i < m; ++i) {
-          if (ranked_[i] >= lower) {
-            pool_.push_back(ranked_[i]);
-          }
+          pool[pooled] = ranked[i];
+          pooled += ranked[i] >= lower ? 1u : 0u;
         }
-        pool = &pool_;
       }
-      std::nth_element(pool->begin(), pool->begin() + (k - 1), pool->end(), std::greater<float>());
-      const float threshold = (*pool)[k - 1];
+      std::nth_element(pool, pool + (k - 1), pool + pooled, std::greater<float>());
+      const float threshold = pool[k - 1];
       std::uint32_t above = 0;
       for (std::uint32_t i = 0; i < k - 1; ++i) {
-        above += (*pool)[i] > threshold ? 1u : 0u;
+        above += pool[i] > threshold ? 1u : 0u;
       }
-      std::uint32_t ties = k - above;  // blocks scoring exactly `threshold` to keep, lowest first
-      for (std::uint32_t i = sinks; i < end; ++i) {
-        const float s = scores[i] != scores[i] ? inf : scores[i];
-        if (s > threshold || (s == threshold && ties > 0)) {
-          ties -= s == threshold ? 1u : 0u;
-          out.push_back(i);
-        }
+      // Every block above the threshold, and the first `k - above` equal to it.
+      std::uint32_t ties = k - above;
+      const std::size_t at = out.size();
+      out.resize(at + m);  // room for any candidate; trimmed to the k kept
+      std::uint32_t* dst = out.data() + at;
+      std::uint32_t kept = 0;
+      for (std::uint32_t i = 0; i < m; ++i) {  // from `scores`: nth_element may reorder ranked
+        const float v = scores[sinks + i];
+        const float s = v == v ? v : inf;
+        const std::uint32_t eq = s == threshold ? 1u : 0u;
+        const std::uint32_t keep = (s > threshold ? 1u : 0u) | (eq & (ties > 0 ? 1u : 0u));
+        ties -= eq & keep;
+        dst[kept] = sinks + i;
+        kept += keep;
       }
+      out.resize(at + kept);
     }
     for (std::uint32_t i = end; i < n; ++i) {
       out.push_back(i);
