@@ -22,13 +22,16 @@ METRICS = {
     "rel_recall": "recall relative to the oracle's",
     "l2": "relative L2 error of the attention output",
 }
-# (label, predictor, scoring, style): summary scoring (min/max f16) and int8 / int4 scoring (key
-# copies: int8_key_summary, int4_key_summary) are what deploys; exact keys bound them.
+# (label, predictor, scoring, style): summary scoring (min/max f16), qminmax (the same bounds in
+# int8: quantized_minmax_summary) and int8 / int4 scoring (key copies: int8_key_summary,
+# int4_key_summary) are what deploys; exact keys bound them.
 LINES = [
     ("lookahead 4 (summary)", "la4", "summary", "-"),
     ("lookahead 2 (summary)", "la2", "summary", "-"),
     ("lookahead 1 (summary)", "la1", "summary", "-"),
     ("previous query (summary)", "prev", "summary", "-"),
+    ("lookahead 4 (int8 min/max)", "la4", "qminmax", "-"),
+    ("previous query (int8 min/max)", "prev", "qminmax", "-"),
     ("current query / Quest (summary)", "cur", "summary", "-"),
     ("lookahead 4 (int8 keys)", "la4", "int8", "-."),
     ("lookahead 1 (int8 keys)", "la1", "int8", "-."),
@@ -75,7 +78,7 @@ def markdown(doc, agg, block, gran):
         print(fmt_row(["scoring", "aggregation", "granularity", "16-token blocks",
                        "32-token blocks"]))
         print(fmt_row(["---"] * 5))
-        for scoring in ["summary", "int8", "int4", "exact"]:
+        for scoring in ["summary", "qminmax", "int8", "int4", "exact"]:
             for ag in ["max", "mass", "conf"]:
                 for g in ["shared", "per_head"]:
                     cells = []

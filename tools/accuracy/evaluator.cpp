@@ -23,7 +23,7 @@ struct scored_predictor {
 };
 constexpr scored_predictor scored[] = {
     {"cur", ~0u}, {"prev", 0}, {"la1", 1}, {"la2", 2}, {"la4", 4}};  // cur first: see agree_next
-constexpr const char* scorings[] = {"exact", "summary", "int8", "int4"};
+constexpr const char* scorings[] = {"exact", "summary", "int8", "int4", "qminmax"};
 constexpr const char* grans[] = {"shared", "per_head"};
 
 std::uint32_t intersect(const std::vector<std::uint32_t>& a, const std::vector<std::uint32_t>& b,
@@ -64,10 +64,12 @@ evaluator::evaluator(const eval_shape& s, std::vector<std::uint32_t> block_sizes
                                t, oasiskv::dtype::f16};
     l.validate();
     summaries_.emplace_back();
+    qmm_.emplace_back();
     int8_.emplace_back();
     int4_.emplace_back();
     for (std::uint32_t layer = 0; layer < s.num_layers; ++layer) {
       summaries_.back().emplace_back(l, l.blocks_for(s.capacity_tokens));
+      qmm_.back().emplace_back(l, l.blocks_for(s.capacity_tokens));
       int8_.back().emplace_back(l, l.blocks_for(s.capacity_tokens));
       int4_.back().emplace_back(l, l.blocks_for(s.capacity_tokens));
     }
@@ -123,6 +125,7 @@ void evaluator::append(std::uint32_t layer, std::uint32_t pos, const float* k) {
       }
     }
     summaries_[i][layer].update(pos / t, slot_.data(), first, 1);
+    qmm_[i][layer].update(pos / t, slot_.data(), first, 1);
     int8_[i][layer].update(pos / t, slot_.data(), first, 1);
     int4_[i][layer].update(pos / t, slot_.data(), first, 1);
   }
@@ -200,8 +203,8 @@ void evaluator::evaluate(std::uint32_t layer, std::uint32_t len, const float* ke
     }
     // Raw scores [kv][block][row]: exact block max of q.k, exact block log-sum-exp (divided by
     // the scale, so softmax-mass aggregation over it gives each row's exact block mass), the
-    // min/max summary's bound, and the int8 and int4 key summaries' max and log-mass (what the
-    // library's predictor reads for max and for mass aggregation).
+    // min/max summary's bound (f16, and int8: qminmax), and the int8 and int4 key summaries' max
+    // and log-mass (what the library's predictor reads for max and for mass aggregation).
     raw_max_.resize(std::size_t{KH} * nb * rows);
     raw_lse_.resize(raw_max_.size());
     raw_sum_.resize(raw_max_.size());
@@ -209,6 +212,7 @@ void evaluator::evaluate(std::uint32_t layer, std::uint32_t len, const float* ke
     raw_i8lse_.resize(raw_max_.size());
     raw_i4max_.resize(raw_max_.size());
     raw_i4lse_.resize(raw_max_.size());
+    raw_qmm_.resize(raw_max_.size());
     for (std::uint32_t hk = 0; hk < KH; ++hk) {
       for (std::uint32_t r = 0; r < rows; ++r) {
         const float* s = logits_.data() + (std::size_t{hk} * rows + r) * len;
@@ -239,6 +243,7 @@ void evaluator::evaluate(std::uint32_t layer, std::uint32_t len, const float* ke
                                    raw_i4max_.data() + std::size_t{hk} * nb * rows);
       int4_[bs.index][layer].score_log_mass(hk, ids, qr, rows, scale,
                                             raw_i4lse_.data() + std::size_t{hk} * nb * rows);
+      qmm_[bs.index][layer].score(hk, ids, qr, rows, raw_qmm_.data() + std::size_t{hk} * nb * rows);
     }
     weights_.assign(w_prev, w_prev + n_prev);
     score_and_record(bs, nb, len);
@@ -310,7 +315,8 @@ void evaluator::score_and_record(per_block_size& bs, std::uint32_t nb, std::uint
           const float* raw = si == 0   ? (ai == 0 ? raw_max_.data() : raw_lse_.data())
                              : si == 1 ? raw_sum_.data()
                              : si == 2 ? (ai == 0 ? raw_i8max_.data() : raw_i8lse_.data())
-                                       : (ai == 0 ? raw_i4max_.data() : raw_i4lse_.data());
+                             : si == 3 ? (ai == 0 ? raw_i4max_.data() : raw_i4lse_.data())
+                                       : raw_qmm_.data();
           const oasiskv::aggregation_context ctx{nb, nsub, G, scale,
                                                  p.drafts == ~0u ? nullptr : weights_.data()};
           acc_.resize(std::size_t{tables} * nb);

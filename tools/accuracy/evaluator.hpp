@@ -15,6 +15,7 @@
 #include "oasiskv/predictor/block_selector.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
+#include "oasiskv/summary/quantized_minmax_summary.hpp"
 
 namespace accuracy {
 
@@ -68,17 +69,19 @@ class evaluator {
   eval_shape s_;
   std::vector<std::uint32_t> block_sizes_, budgets_;
   std::vector<eval_config> configs_;
-  std::vector<std::vector<oasiskv::minmax_summary<>>> summaries_;  // [block size][layer]
-  std::vector<std::vector<oasiskv::int8_key_summary>> int8_;       // [block size][layer]
-  std::vector<std::vector<oasiskv::int4_key_summary>> int4_;       // [block size][layer]
-  std::vector<std::byte> slot_;                                    // one f16 block, for update()
-  std::vector<std::uint32_t> ids_;                                 // 0, 1, 2, ... entries
+  std::vector<std::vector<oasiskv::minmax_summary<>>> summaries_;    // [block size][layer]
+  std::vector<std::vector<oasiskv::quantized_minmax_summary>> qmm_;  // [block size][layer]
+  std::vector<std::vector<oasiskv::int8_key_summary>> int8_;         // [block size][layer]
+  std::vector<std::vector<oasiskv::int4_key_summary>> int4_;         // [block size][layer]
+  std::vector<std::byte> slot_;                                      // one f16 block, for update()
+  std::vector<std::uint32_t> ids_;                                   // 0, 1, 2, ... entries
   std::mt19937_64 rng_;
   std::uint64_t samples_ = 0;
   // scratch of one sample
   std::vector<float> qrows_, logits_, probs_, raw_sum_, raw_max_, raw_lse_, sub_, acc_;
   std::vector<float> raw_i8max_, raw_i8lse_;  // the int8 key summary: max, log-mass
   std::vector<float> raw_i4max_, raw_i4lse_;  // the int4 key summary: max, log-mass
+  std::vector<float> raw_qmm_;                // the int8 min/max summary's bound
   std::vector<float> mass_, numer_, dense_out_, sparse_out_;
   std::uint32_t ntok_ = 0, len_ = 0;
   const float* values_ = nullptr;

@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
   app.add_option("--blocks", blocks, "block sizes in tokens");
   app.add_option("--e2e", e2e_specs,
                  "sparse-in-the-loop runs, pred:agg:budget[:scoring] (pred la1 la2 la4 prev cur "
-                 "recency; scoring summary (min/max f16, the default), int8 or int4 (key copies))");
+                 "recency; scoring summary (min/max f16, the default), qminmax (min/max in int8), "
+                 "int8 or int4 (key copies))");
   app.add_option("--json", json_path, "write every figure here");
   app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");
   app.add_option("--seed", seed, "random predictor and sampled text");

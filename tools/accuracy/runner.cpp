@@ -54,8 +54,9 @@ struct predictors {
 // the library predictors it selects with.
 struct runner::sparse_state {
   oasiskv::kv_layout layout;
-  int kind = 0;  // which summary the run scores with: 0 min/max, 8 int8, 4 int4 keys
+  int kind = 0;  // which summary the run scores with: 0 min/max, 1 int8 min/max, 8 / 4 keys
   predictors<oasiskv::minmax_summary<>> minmax;
+  predictors<oasiskv::quantized_minmax_summary> qminmax;
   predictors<oasiskv::int8_key_summary> keys8;
   predictors<oasiskv::int4_key_summary> keys4;
   std::vector<std::byte> slot;
@@ -78,7 +79,9 @@ struct runner::sparse_state {
         }
       }
     }
-    if (kind == 8) {
+    if (kind == 1) {
+      qminmax.summaries[l].update(b, slot.data(), first, count);
+    } else if (kind == 8) {
       keys8.summaries[l].update(b, slot.data(), first, count);
     } else if (kind == 4) {
       keys4.summaries[l].update(b, slot.data(), first, count);
@@ -143,12 +146,19 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
     for (std::uint32_t i = 0; i < cap; ++i) {
       ss->ids[i] = i;
     }
-    if (sparse->scoring != "summary" && sparse->scoring != "int8" && sparse->scoring != "int4") {
-      mini_decoder::fail("--e2e scoring '", sparse->scoring, "' is not summary, int8 or int4");
+    if (sparse->scoring != "summary" && sparse->scoring != "qminmax" && sparse->scoring != "int8" &&
+        sparse->scoring != "int4") {
+      mini_decoder::fail("--e2e scoring '", sparse->scoring,
+                         "' is not summary, qminmax, int8 or int4");
     }
-    ss->kind = sparse->scoring == "int8" ? 8 : (sparse->scoring == "int4" ? 4 : 0);
+    ss->kind = sparse->scoring == "int8"      ? 8
+               : sparse->scoring == "int4"    ? 4
+               : sparse->scoring == "qminmax" ? 1
+                                              : 0;
     for (std::uint32_t l = 0; l < L; ++l) {
-      if (ss->kind == 8) {
+      if (ss->kind == 1) {
+        ss->qminmax.summaries.emplace_back(ss->layout, cap);
+      } else if (ss->kind == 8) {
         ss->keys8.summaries.emplace_back(ss->layout, cap);
       } else if (ss->kind == 4) {
         ss->keys4.summaries.emplace_back(ss->layout, cap);
@@ -245,7 +255,9 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
           const std::span<const std::uint32_t> ids(ss->ids.data(), nb);
           const oasiskv::query_view prev{prevq[l].data(), prevw[l].data(), tok};
           const oasiskv::query_view current{q, nullptr, rows};
-          if (ss->kind == 8) {
+          if (ss->kind == 1) {
+            ss->qminmax.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
+          } else if (ss->kind == 8) {
             ss->keys8.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           } else if (ss->kind == 4) {
             ss->keys4.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);

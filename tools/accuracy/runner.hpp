@@ -18,12 +18,12 @@ namespace accuracy {
 //! Block-sparse attention in the loop: at step i, layer l attends the blocks the predictor
 //! selected from step i-1's queries of layer l (pending token + drafts), through the library's
 //! `lookahead_predictor<S, Agg>` (the deployed path), or Quest / recency; `S` is
-//! `minmax_summary<f16>` (scoring "summary"), `int8_key_summary` ("int8") or
-//! `int4_key_summary` ("int4").
+//! `minmax_summary<f16>` (scoring "summary"), `quantized_minmax_summary` ("qminmax": the same
+//! bounds in int8), `int8_key_summary` ("int8") or `int4_key_summary` ("int4").
 struct sparse_config {
   std::string pred = "la4";         // la1 la2 la4 prev cur recency
   std::string agg = "max";          // max mass conf
-  std::string scoring = "summary";  // summary (min/max f16), int8 or int4 (key copies)
+  std::string scoring = "summary";  // summary (min/max f16), qminmax (int8 min/max), int8, int4
   std::uint32_t budget = 1024, block = 16;
   std::string name() const;
 };
