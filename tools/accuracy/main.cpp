@@ -72,7 +72,8 @@ int main(int argc, char** argv) {
   CLI::App app{"accuracy: lookahead block prediction against the oracle on a real model"};
   std::string model_path, json_path, source = "text";
   std::vector<std::string> text_files, e2e_specs, expects;
-  std::uint32_t context = 4096, tokens = 512, draft_len = 4, eval_every = 4;
+  std::uint32_t context = 4096, tokens = 512, draft_len = 4, eval_every = 4, draft_layers = 6;
+  std::string drafter = "ngram";
   std::vector<std::uint32_t> budgets{256, 512, 1024, 2048}, blocks{16, 32};
   float rope_scale = 1.0f;
   std::uint64_t seed = 1;
@@ -82,7 +83,11 @@ int main(int argc, char** argv) {
   app.add_option("--context", context, "prompt + continuation tokens");
   app.add_option("--tokens", tokens, "continuation tokens decoded (greedy and held-out)");
   app.add_option("--rope-scale", rope_scale, "RoPE theta multiplier");
-  app.add_option("--draft-len", draft_len, "n-gram drafts per step (lookahead tokens)");
+  app.add_option("--draft-len", draft_len, "drafts per step (lookahead tokens)");
+  app.add_option("--drafter", drafter,
+                 "ngram (prompt lookup, the default) or self (the model's first --draft-layers "
+                 "layers and its head: self-speculation)");
+  app.add_option("--draft-layers", draft_layers, "layers of the self-speculative draft");
   app.add_option("--eval-every", eval_every, "evaluate predictors every N-th step");
   app.add_option("--budgets", budgets, "budgets in tokens");
   app.add_option("--blocks", blocks, "block sizes in tokens");
@@ -133,7 +138,14 @@ int main(int argc, char** argv) {
                c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, P, tokens,
                context);
 
-    accuracy::runner r(*m, rope_scale, context, draft_len);
+    if (drafter != "ngram" && drafter != "self") {
+      mini_decoder::fail("--drafter '", drafter, "' is not ngram or self");
+    }
+    if (drafter == "self" && (draft_layers == 0 || draft_layers >= c.num_layers)) {
+      mini_decoder::fail("--draft-layers = ", draft_layers, " must be in [1, ", c.num_layers - 1,
+                         "]");
+    }
+    accuracy::runner r(*m, rope_scale, context, draft_len, drafter == "self" ? draft_layers : 0);
     r.prefill(prompt);
     fmt::print(stderr, "prefill {:.1f} s\n", since(t0));
     accuracy::evaluator ev({c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, context}, blocks,
@@ -234,8 +246,10 @@ int main(int argc, char** argv) {
     if (!json_path.empty()) {
       std::ofstream js(json_path);
       js << "{\n  \"model\": \"" << c.architecture << "\", \"context\": " << context
-         << ", \"tokens\": " << tokens << ", \"prompt\": " << P << ", \"draft_len\": " << draft_len
-         << ", \"eval_every\": " << eval_every << ",\n  \"results\": {\n";
+         << ", \"tokens\": " << tokens << ", \"prompt\": " << P << ", \"drafter\": \"" << drafter
+         << "\", \"draft_layers\": " << (drafter == "self" ? draft_layers : 0)
+         << ", \"draft_len\": " << draft_len << ", \"eval_every\": " << eval_every
+         << ",\n  \"results\": {\n";
       bool first = true;
       for (const auto& [name, row] : results) {
         js << (first ? "" : ",\n") << "    \"" << name << "\": {";

@@ -92,9 +92,73 @@ struct runner::sparse_state {
 };
 
 runner::runner(const mini_decoder::model& m, float rope_scale, std::uint32_t context,
-               std::uint32_t draft_len)
-    : m_(m), tf_(m, rope_scale), context_(context), draft_len_(draft_len) {
+               std::uint32_t draft_len, std::uint32_t draft_layers)
+    : m_(m),
+      tf_(m, rope_scale),
+      context_(context),
+      draft_len_(draft_len),
+      draft_layers_(draft_layers) {
   kv_dim_ = m.config.num_kv_heads * m.config.head_dim;
+  if (draft_layers_ >= m.config.num_layers) {
+    mini_decoder::fail("--draft-layers = ", draft_layers_, " must be below the model's ",
+                       m.config.num_layers, " layers");
+  }
+}
+
+// Self-speculation: g tokens, greedy, each through the first draft_layers_ layers and the head.
+// Token j (x, then the drafts) sits at position pos + j; its key and value go into K / V at that
+// position, where the target step will write position pos's own (the same layers' values of
+// the same token) and reads nothing beyond it. Attention is dense over the committed tokens
+// and the draft's.
+std::vector<int> runner::self_draft(std::vector<std::vector<float>>& K,
+                                    std::vector<std::vector<float>>& V, int x, std::uint32_t pos,
+                                    std::uint32_t g) {
+  const mini_decoder::model_config& c = m_.config;
+  const std::uint32_t H = c.num_heads, D = c.head_dim, G = H / c.num_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::uint32_t at = pos;
+  const mini_decoder::attention_fn attend = [&](std::uint32_t l, std::uint32_t, const float* q,
+                                                const float* k, const float* v, float* out) {
+    std::copy(k, k + kv_dim_, K[l].data() + std::size_t{at} * kv_dim_);
+    std::copy(v, v + kv_dim_, V[l].data() + std::size_t{at} * kv_dim_);
+    const std::uint32_t len = at + 1;
+    draft_scores_.resize(std::size_t{G} * len);
+    for (std::uint32_t hk = 0; hk < c.num_kv_heads; ++hk) {
+      const std::size_t off = std::size_t{hk} * D;
+      float* s = draft_scores_.data();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(G),
+                  static_cast<int>(len), static_cast<int>(D), scale, q + off * G,
+                  static_cast<int>(D), K[l].data() + off, static_cast<int>(kv_dim_), 0.0f, s,
+                  static_cast<int>(len));
+      for (std::uint32_t g2 = 0; g2 < G; ++g2) {
+        float* row = s + std::size_t{g2} * len;
+        const float mx = *std::max_element(row, row + len);
+        double sum = 0;
+        for (std::uint32_t t = 0; t < len; ++t) {
+          row[t] = std::exp(row[t] - mx);
+          sum += row[t];
+        }
+        const auto inv = static_cast<float>(1.0 / sum);
+        for (std::uint32_t t = 0; t < len; ++t) {
+          row[t] *= inv;
+        }
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(G),
+                  static_cast<int>(D), static_cast<int>(len), 1.0f, s, static_cast<int>(len),
+                  V[l].data() + off, static_cast<int>(kv_dim_), 0.0f, out + off * G,
+                  static_cast<int>(D));
+    }
+  };
+  draft_logits_.resize(c.vocab_size);
+  std::vector<int> drafts;
+  int tok = x;
+  for (std::uint32_t j = 0; j < g; ++j) {
+    at = pos + j;
+    tf_.step(&tok, 1, at, draft_layers_, attend, draft_logits_.data());
+    tok = mini_decoder::argmax(draft_logits_.data(), c.vocab_size);
+    drafts.push_back(tok);
+  }
+  return drafts;
 }
 
 void runner::prefill(const std::vector<int>& prompt) {
@@ -198,7 +262,8 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
     drafts.clear();
     const std::uint32_t g = std::min(draft_len_, context_ - 1 - pos);
     if (g > 0) {
-      drafts = mini_decoder::ngram_draft(history, g);
+      drafts =
+          draft_layers_ > 0 ? self_draft(K, Vv, x, pos, g) : mini_decoder::ngram_draft(history, g);
     }
     step_drafts.push_back(drafts);
     batch.assign(1, x);

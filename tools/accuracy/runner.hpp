@@ -37,8 +37,10 @@ struct run_result {
 
 class runner {
  public:
+  //! `draft_layers` 0: n-gram drafts (prompt lookup); else self-speculative drafts, greedy
+  //! through the model's first `draft_layers` layers and its head, attending densely.
   runner(const mini_decoder::model& m, float rope_scale, std::uint32_t context,
-         std::uint32_t draft_len);
+         std::uint32_t draft_len, std::uint32_t draft_layers = 0);
   //! Dense prefill of `prompt`, kept for every later run.
   void prefill(const std::vector<int>& prompt);
   //! Dense greedy decoding of `n` tokens; when `ev` is set, every `eval_every`-th step is
@@ -53,10 +55,14 @@ class runner {
   struct sparse_state;
   run_result loop(const std::vector<int>* teacher, std::uint32_t n, const sparse_config* sparse,
                   evaluator* ev, std::uint32_t eval_every);
+  std::vector<int> self_draft(std::vector<std::vector<float>>& K,
+                              std::vector<std::vector<float>>& V, int x, std::uint32_t pos,
+                              std::uint32_t g);
 
   const mini_decoder::model& m_;
   mini_decoder::transformer tf_;
-  std::uint32_t context_, draft_len_, kv_dim_;
+  std::uint32_t context_, draft_len_, draft_layers_, kv_dim_;
+  std::vector<float> draft_logits_, draft_scores_;
   std::vector<int> prompt_;
   std::vector<float> first_logits_;
   std::vector<std::vector<float>> prefill_k_, prefill_v_;  // [layer][pos][kv_dim]
