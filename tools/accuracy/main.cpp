@@ -218,10 +218,15 @@ int main(int argc, char** argv) {
       row["agreement_held_out"] = double(agree_ho) / std::max<std::size_t>(sh.argmax.size(), 1);
       row["ppl"] = ppl;
       row["ppl_ratio"] = ppl / ppl_dense;
+      // On the greedy continuation: the share of each step's blocks new since that layer's
+      // previous step (what a prefetcher fetches per step; a cache holding only the last
+      // selection would miss this share on demand).
+      row["churn"] = sg.churn_all ? double(sg.churn_new) / double(sg.churn_all) : 0.0;
       fmt::print(stderr,
-                 "e2e {}: agreement {:.4f} (held-out {:.4f}), ppl {:.3f} vs dense {:.3f} "
-                 "({:.1f} s)\n",
-                 sc.name(), row["agreement"], row["agreement_held_out"], ppl, ppl_dense, since(t1));
+                 "e2e {}: agreement {:.4f} (held-out {:.4f}), ppl {:.3f} vs dense {:.3f}, "
+                 "churn {:.4f} ({:.1f} s)\n",
+                 sc.name(), row["agreement"], row["agreement_held_out"], ppl, ppl_dense,
+                 row["churn"], since(t1));
     }
 
     fmt::print("{:<44} {:>9} {:>10} {:>10} {:>7} {:>10} {:>8}\n", "config", "agree_all",

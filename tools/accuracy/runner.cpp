@@ -247,6 +247,7 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
   std::vector<float> logits(std::size_t{16} * V), sc, weights, kgat, vgat, side;
   std::vector<double> dens;
   std::vector<std::uint32_t> blocks;
+  std::vector<std::vector<std::uint32_t>> last_blocks(L);  // [layer]: the previous step's
   std::vector<std::vector<int>> step_drafts;
   std::vector<int> history = prompt_, drafts, batch;
   run_result res;
@@ -331,6 +332,20 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
           }
           blocks.assign(ss->sel.blocks.begin(), ss->sel.blocks.end());
         }
+      }
+      if (ss != nullptr) {  // blocks (ascending) new since this layer's previous step
+        std::vector<std::uint32_t>& last = last_blocks[l];
+        if (!last.empty()) {
+          std::size_t a = 0;
+          for (const std::uint32_t b : blocks) {
+            while (a < last.size() && last[a] < b) {
+              ++a;
+            }
+            res.churn_new += a < last.size() && last[a] == b ? 0u : 1u;
+          }
+          res.churn_all += blocks.size();
+        }
+        last.assign(blocks.begin(), blocks.end());
       }
       // Row j attends the selected committed positions and, exactly, drafts 1..j (the side
       // buffer of the mini-decoder's verification). The committed keys of one KV head are

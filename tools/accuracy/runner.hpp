@@ -33,6 +33,9 @@ struct run_result {
   std::vector<int> argmax;  // the model's argmax after each committed token
   double nll = 0;           // summed -log p(teacher[i+1]) (teacher-forced runs)
   std::uint32_t scored = 0, drafted = 0, accepted = 0;
+  // Sparse runs: blocks each (step, layer) attends that the same layer's previous step did
+  // not, and all blocks attended after the first step: what a prefetcher must move per step.
+  std::uint64_t churn_new = 0, churn_all = 0;
 };
 
 class runner {
