@@ -173,6 +173,13 @@ void run_decode_steps(benchmark::State& state, Cache* cache, sequence_id seq, kv
       std::max(1.0, static_cast<double>(after.step.hits - before.step.hits + after.step.misses -
                                         before.step.misses));
   state.counters["fetched_per_step_KiB"] = static_cast<double>(fetched) / n / 1024.0;
+  // The same as a share of the blocks a step attends (every layer's budget): comparable with
+  // the selection churn tools/accuracy measures on a real model (docs/accuracy.md), of which it
+  // is a lower bound (a block selected again soon after may still be resident).
+  state.counters["fetched_share"] =
+      static_cast<double>(fetched) / n /
+      (static_cast<double>(layout.num_layers) * layout.blocks_for(budget_tokens) *
+       static_cast<double>(layout.block_bytes()));
   state.counters["stall_ms_per_step"] =
       (after.step.stall_seconds - before.step.stall_seconds) / n * 1e3;
   state.counters["lookahead_ms_per_step"] = lookahead_seconds / n * 1e3;
