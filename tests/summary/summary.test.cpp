@@ -124,7 +124,7 @@ TEST_CASE_TEMPLATE("block summary: incremental == bulk, reset, every scoring pat
   }
 }
 
-TEST_CASE_TEMPLATE("row_scoring_summary: score_rows is score transposed, bit for bit", S,
+TEST_CASE_TEMPLATE("row_scoring_summary: score_rows is score transposed, each id as if alone", S,
                    minmax_summary<f16>, minmax_summary<bf16>, minmax_summary<float>,
                    quantized_minmax_summary) {
   static_assert(row_scoring_summary<S>);
@@ -133,22 +133,24 @@ TEST_CASE_TEMPLATE("row_scoring_summary: score_rows is score transposed, bit for
   const std::uint32_t cap = 40;  // three tiles of 16 entries, the last one partial
   host_tier pool(l, cap);
   testing::fill_random(pool, 21);
-  std::vector<std::uint32_t> shuffled(cap);
-  for (std::uint32_t i = 0; i < cap; ++i) {
-    shuffled[i] = (i * 17) % cap;
-  }
-  // Every tile whole; a run across a tile boundary; scattered ids with repeats; one entry; an
-  // empty entry (38, never updated) among them.
-  const std::vector<std::vector<std::uint32_t>> id_sets = {[&] {
-                                                             std::vector<std::uint32_t> v(cap);
-                                                             for (std::uint32_t i = 0; i < cap; ++i)
-                                                               v[i] = i;
-                                                             return v;
-                                                           }(),
-                                                           {14, 15, 16, 17, 18, 19, 20},
-                                                           shuffled,
+  auto every = [](std::uint32_t first, std::uint32_t end, int step) {
+    std::vector<std::uint32_t> v;
+    for (auto i = static_cast<std::int64_t>(first); step > 0 ? i < end : i >= end; i += step) {
+      v.push_back(static_cast<std::uint32_t>(i));
+    }
+    return v;
+  };
+  // Every tile whole; a run across a tile boundary; scattered ids; repeats and an empty entry
+  // (38, never updated); one entry; entries strided by 4 (a layer's decoded blocks, allocated
+  // round-robin with three other layers') and descending ones: ids that share a tile without
+  // forming a run.
+  const std::vector<std::vector<std::uint32_t>> id_sets = {every(0, cap, 1),
+                                                           every(14, 21, 1),
+                                                           every(0, cap * 17, 17),
                                                            {7, 7, 3, 38, 39, 38, 0},
-                                                           {33}};
+                                                           {33},
+                                                           every(1, cap, 4),
+                                                           every(cap - 1, 0, -1)};
   for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
     if (!score_isa_supported(isa)) {
       continue;
@@ -161,21 +163,28 @@ TEST_CASE_TEMPLATE("row_scoring_summary: score_rows is score transposed, bit for
     }
     for (const std::uint32_t n : {1u, 3u, 8u, 13u}) {
       const std::vector<float> q = random_queries(n, l.head_dim, 40 + n);
-      for (const auto& ids : id_sets) {
+      for (std::vector<std::uint32_t> ids : id_sets) {
+        for (std::uint32_t& id : ids) {
+          id %= cap;
+        }
         CAPTURE(n);
         CAPTURE(ids.size());
         for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
           const auto by_entry = scores(s, h, ids, q, n);
           std::vector<float> by_row(ids.size() * n);
           s.score_rows(h, ids, q.data(), n, by_row.data());
-          bool same = true;
+          bool same = true, alone = true;
           for (std::size_t i = 0; i < ids.size(); ++i) {
+            // Scored by itself (a run of one), the id gives the same bits as within the batch.
+            const auto single = scores(s, h, {ids[i]}, q, n);
             for (std::uint32_t r = 0; r < n; ++r) {
               const float a = by_entry[i * n + r], b = by_row[r * ids.size() + i];
               same = same && std::memcmp(&a, &b, sizeof a) == 0;
+              alone = alone && std::memcmp(&a, &single[r], sizeof a) == 0;
             }
           }
           CHECK(same);
+          CHECK(alone);
         }
       }
     }

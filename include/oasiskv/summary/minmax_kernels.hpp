@@ -10,6 +10,7 @@
 #include <cstring>
 #include <span>
 #include <type_traits>
+#include <vector>
 
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
@@ -313,15 +314,59 @@ inline std::uint32_t tile_run(std::span<const std::uint32_t> ids, std::size_t i,
   return m;
 }
 
+//! @brief Scores of the ids `[i, j)` that share tile `ids[i] / lanes` with `ids[i]`, picked from
+//! the whole tile's scores `all[lane * n + r]`. For ids that are not consecutive: a layer's
+//! decoded blocks take entries interleaved with the other layers' (and sequences'), so several
+//! of its entries share a tile without forming a run.
+inline void pick_lanes(const float* all, std::span<const std::uint32_t> ids, std::size_t i,
+                       std::size_t j, std::uint32_t lanes, std::uint32_t n,
+                       const score_sink& out) noexcept {
+  for (std::size_t k = i; k < j; ++k) {
+    const float* src = all + std::size_t{ids[k] % lanes} * n;
+    for (std::uint32_t r = 0; r < n; ++r) {
+      out.at(k, r) = src[r];
+    }
+  }
+}
+
+//! @brief Where the ids sharing the tile of `ids[i]` end, when they are more than the run of
+//! consecutive ids from `ids[i]` (`run`); else 0.
+inline std::size_t same_tile_end(std::span<const std::uint32_t> ids, std::size_t i,
+                                 std::uint32_t run, std::uint32_t lanes) noexcept {
+  const std::uint32_t t = ids[i] / lanes;
+  std::size_t j = i + run;
+  while (j < ids.size() && ids[j] / lanes == t) {
+    ++j;
+  }
+  return j > i + run ? j : 0;
+}
+
 //! @brief `out.at(i, r)` = row `r` of `split` (`[n][q+ (d)][q- (d)]`) against entry `ids[i]`
 //! of `tiles` (one KV head's tiles), plus the entry's `bias`. Consecutive ids within a tile are
-//! scored as one run, so a sequence whose entries are consecutive reads each tile once;
-//! scattered ids cost a tile each. `contiguous`: the ids are consecutive ascending.
+//! scored as one run, so a sequence whose entries are consecutive reads each tile once; ids
+//! that share a tile without being consecutive are scored with one pass over the whole tile
+//! (a tile costs the same whether 1 or 16 of its lanes are wanted); only ids alone in their
+//! tile cost a tile each. `contiguous`: the ids are consecutive ascending.
 template <class S>
 void minmax_score_tiles(score_isa isa, const S* tiles, const float* bias, std::uint32_t d,
                         std::span<const std::uint32_t> ids, bool contiguous, const float* split,
                         std::uint32_t n, const score_sink& out) {
   const std::size_t tile_elems = std::size_t{2} * d * minmax_tile_lanes;
+  auto run = [&](const S* tile, const float* tb, std::uint32_t lane0, std::uint32_t m,
+                 const score_sink& to, std::size_t i0) {
+#if OASISKV_SCORE_X86
+    if (isa == score_isa::avx512) {
+      minmax_run_avx512(tile, tb, d, lane0, m, split, n, to, i0);
+      return;
+    }
+    if (isa == score_isa::avx2) {
+      minmax_run_avx2(tile, tb, d, lane0, m, split, n, to, i0);
+      return;
+    }
+#endif
+    minmax_lanes_scalar(tile, tb, d, lane0, m, split, n, to, i0);
+  };
+  thread_local std::vector<float> all;  // one whole tile's scores, [lane][row]
   std::size_t i = 0;
   while (i < ids.size()) {
     const std::uint32_t b = ids[i], lane0 = b % minmax_tile_lanes;
@@ -329,19 +374,16 @@ void minmax_score_tiles(score_isa isa, const S* tiles, const float* bias, std::u
     const std::size_t t = b / minmax_tile_lanes;
     const S* tile = tiles + t * tile_elems;
     const float* tb = bias + t * minmax_tile_lanes;
-    const std::size_t i0 = i;
+    const std::size_t j = contiguous ? 0 : same_tile_end(ids, i, m, minmax_tile_lanes);
+    if (j != 0) {
+      all.resize(std::size_t{minmax_tile_lanes} * n);
+      run(tile, tb, 0, minmax_tile_lanes, score_sink::entry_major(all.data(), n), 0);
+      pick_lanes(all.data(), ids, i, j, minmax_tile_lanes, n, out);
+      i = j;
+      continue;
+    }
+    run(tile, tb, lane0, m, out, i);
     i += m;
-#if OASISKV_SCORE_X86
-    if (isa == score_isa::avx512) {
-      minmax_run_avx512(tile, tb, d, lane0, m, split, n, out, i0);
-      continue;
-    }
-    if (isa == score_isa::avx2) {
-      minmax_run_avx2(tile, tb, d, lane0, m, split, n, out, i0);
-      continue;
-    }
-#endif
-    minmax_lanes_scalar(tile, tb, d, lane0, m, split, n, out, i0);
   }
 }
 

@@ -359,6 +359,7 @@ class quantized_minmax_summary {
       row[r] = t;
       row[n + r] = round_up(std::sqrt(err) * (1.0 + 0x1p-40));
     }
+    thread_local std::vector<float> all;  // one whole tile's scores, [lane][row]
     std::size_t i = 0;
     while (i < entries.size()) {
       const std::uint32_t b = entries[i], lane0 = b % lanes;
@@ -368,16 +369,28 @@ class quantized_minmax_summary {
       const float* sc = scale_.data() + tile * lanes;
       const float* nm = norm_.data() + tile * lanes;
       const float* bs = bias_.data() + std::size_t{b / lanes} * lanes;
+      // Ids sharing this tile without being consecutive: one pass over the whole tile.
+      const std::size_t j = contiguous ? 0 : detail::same_tile_end(entries, i, m, lanes);
+      auto run = [&](std::uint32_t from, std::uint32_t count, const detail::score_sink& to,
+                     std::size_t i0) {
 #if OASISKV_SCORE_X86
-      if (vnni_) {
-        detail::qminmax_run_vnni(codes, sc, nm, bs, d, lane0, m, qw.data(), row.data(),
-                                 row.data() + n, n, sink, i);
-      } else
+        if (vnni_) {
+          detail::qminmax_run_vnni(codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
+                                   row.data() + n, n, to, i0);
+          return;
+        }
 #endif
-      {
-        detail::qminmax_run_scalar(codes, sc, nm, bs, d, lane0, m, qw.data(), row.data(),
-                                   row.data() + n, n, sink, i);
+        detail::qminmax_run_scalar(codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
+                                   row.data() + n, n, to, i0);
+      };
+      if (j != 0) {
+        all.resize(std::size_t{lanes} * n);
+        run(0, lanes, detail::score_sink::entry_major(all.data(), n), 0);
+        detail::pick_lanes(all.data(), entries, i, j, lanes, n, sink);
+        i = j;
+        continue;
       }
+      run(lane0, m, sink, i);
       i += m;
     }
   }
