@@ -125,8 +125,11 @@ TEST_CASE("eviction: LRU order, the per-prefetch cap, pinned and wanted blocks s
   cpu_copy_engine engine;
   lookahead_lru s(fast, slow, engine, {.max_evictions_per_prefetch = 1});
   std::vector<slot_id> out(1);
+  // Each copy is waited for: a block still in flight cannot be evicted, and under load the
+  // copy engine's worker may not have run yet.
   for (slot_id x : {0u, 1u, 2u, 3u}) {  // touched in this order: 0 is the coldest
     s.prefetch(ids({x}));
+    REQUIRE(s.settle(x).has_value());
   }
   s.acquire(ids({0}), out);  // 0 becomes the hottest, and pinned
   CHECK(s.resident_blocks() == 4);
@@ -136,6 +139,7 @@ TEST_CASE("eviction: LRU order, the per-prefetch cap, pinned and wanted blocks s
   CHECK(s.resident_slot(5) == std::nullopt);
   CHECK(s.resident_slot(0).has_value());
   CHECK(s.stats().blocks_evicted == 1);
+  REQUIRE(s.settle(4).has_value());
   // A block wanted by the same call is never the victim.
   s.prefetch(ids({2, 6}));
   CHECK(s.resident_slot(2).has_value());
