@@ -124,7 +124,12 @@ class tiered_kv_cache {
       detail::raise(errc::layout_mismatch, "tiered_kv_cache: fast and slow tier layouts differ");
     }
     if constexpr (compact_summaries) {
+      const std::size_t tiles = (std::size_t{summaries_.capacity()} + entry_run - 1) / entry_run;
       free_entries_.reserve(summaries_.capacity());
+      free_pos_.assign(summaries_.capacity(), no_entry);
+      free_tiles_.reserve(tiles);
+      tile_free_.assign(tiles, 0);
+      tile_listed_.assign(tiles, 0);
     }
     if constexpr (requires { slow_.read_only_slots(); }) {
       static_assert(
@@ -233,7 +238,7 @@ class tiered_kv_cache {
     try {
       for (; held < total; ++held) {
         capacity_.adopt(slots[held]);
-        bind_entry(slots[held]);
+        bind_entry(slots[held], held % blocks == 0 ? null_slot : slots[held - 1], false);
       }
       if constexpr (has_summary) {
         summarize_adopted(tokens, blocks, slots, summaries, load);
@@ -690,7 +695,7 @@ class tiered_kv_cache {
                       " slots are all in use");
       }
       try {
-        bind_entry(*s);
+        bind_entry(*s, ls.blocks.empty() ? null_slot : ls.blocks.back());
         ls.blocks.push_back(*s);
       } catch (...) {
         unbind_entry(*s);
@@ -827,8 +832,15 @@ class tiered_kv_cache {
 
   // -- summary entries --------------------------------------------------------------------------
   // With `compact_summaries`, `entry_of_[slot]` is the summary entry of each capacity slot in
-  // use (`no_entry` otherwise); freed entries are reused first, and the store grows by a
-  // quarter when it runs out. Otherwise a slot's entry is the slot itself.
+  // use (`no_entry` otherwise). Entries are kept in runs: a layer's next block takes the entry
+  // after its previous block's when that one is free and in the same tile of `entry_run` (the
+  // summaries' tiles: consecutive entries in a tile are scored with one pass over the tile,
+  // where a layer's entries interleaved with the other layers' would cost a tile each). A new
+  // run starts on a whole free tile, else on a whole tile of the entries never handed out (the
+  // store grows by at least a quarter for it, up to one entry per slot), else at the start of
+  // any free stretch. Otherwise a slot's entry is the slot itself.
+
+  static constexpr std::uint32_t entry_run = 16;  // minmax_tile_lanes, qminmax_lanes
 
   std::uint32_t entry(slot_id s) const noexcept {
     if constexpr (compact_summaries) {
@@ -846,9 +858,28 @@ class tiered_kv_cache {
       if (in_use + n <= cap) {
         return;
       }
-      const std::size_t want = std::max(in_use + n, cap + std::max<std::size_t>(cap / 4, 16));
+      grow_entries(in_use + n);
+    } else {
+      (void)n;
+    }
+  }
+
+  // Grows the store to at least `n` entries and by at least a quarter, within one per slot.
+  void grow_entries(std::size_t n) {
+    if constexpr (compact_summaries) {
+      const std::size_t cap = summaries_.capacity();
+      const std::size_t want = std::max(n, cap + std::max<std::size_t>(cap / 4, entry_run));
       const auto grown = static_cast<std::uint32_t>(std::min<std::size_t>(want, entry_of_.size()));
-      free_entries_.reserve(grown);  // so that `unbind_entry` never allocates
+      if (grown <= cap) {
+        return;
+      }
+      const std::size_t tiles = (std::size_t{grown} + entry_run - 1) / entry_run;
+      // Every container that `unbind_entry` (noexcept) touches has room for the new entries.
+      free_entries_.reserve(grown);
+      free_tiles_.reserve(tiles);
+      free_pos_.resize(grown, no_entry);
+      tile_free_.resize(tiles, 0);
+      tile_listed_.resize(tiles, 0);
       summaries_.grow(grown);
     } else {
       (void)n;
@@ -861,7 +892,8 @@ class tiered_kv_cache {
       for (slot_id s = 0; s < entry_of_.size(); ++s) {
         const std::uint32_t e = entry_of_[s];
         const bool held = capacity_.use_count(s) != 0;
-        if (held != (e != no_entry) || (held && (e >= entries_used_ || seen[e]++ != 0)))
+        if (held != (e != no_entry) ||
+            (held && (e >= entries_used_ || seen[e]++ != 0 || free_pos_[e] != no_entry)))
             [[unlikely]] {
           detail::raise(errc::invalid_argument, "audit: capacity slot ", s, " (",
                         capacity_.use_count(s), " holders) has summary entry ",
@@ -869,10 +901,23 @@ class tiered_kv_cache {
                         held ? ", not its own" : " while free");
         }
       }
-      for (std::uint32_t e : free_entries_) {
-        if (e >= entries_used_ || seen[e]++ != 0) [[unlikely]] {
+      for (std::size_t i = 0; i < free_entries_.size(); ++i) {
+        const std::uint32_t e = free_entries_[i];
+        if (e >= entries_used_ || seen[e]++ != 0 || free_pos_[e] != i) [[unlikely]] {
           detail::raise(errc::invalid_argument, "audit: free summary entry ", e,
                         " is in use or listed twice");
+        }
+      }
+      std::vector<std::uint8_t> free_in_tile(tile_free_.size(), 0);
+      for (const std::uint32_t e : free_entries_) {
+        ++free_in_tile[e / entry_run];
+      }
+      for (std::size_t t = 0; t < tile_free_.size(); ++t) {
+        if (free_in_tile[t] != tile_free_[t] ||
+            (tile_free_[t] == entry_run && tile_listed_[t] == 0)) [[unlikely]] {
+          detail::raise(errc::invalid_argument, "audit: summary tile ", t, " counts ",
+                        unsigned{tile_free_[t]}, " free entries, holds ", unsigned{free_in_tile[t]},
+                        tile_listed_[t] == 0 ? ", not listed" : "");
         }
       }
       if (static_cast<std::size_t>(std::count(seen.begin(), seen.end(), std::uint8_t{1})) !=
@@ -883,14 +928,51 @@ class tiered_kv_cache {
     }
   }
 
-  // Gives slot `s` (just allocated or adopted) an empty entry.
-  void bind_entry(slot_id s) {
+  // Gives slot `s` (just allocated or adopted) an empty entry. `after`: the slot of the block
+  // before `s`'s in the same (sequence, layer), or `null_slot`. `may_grow`: the store may grow
+  // to start a run on a tile boundary (not while adopting: `adopt` reserved what it needs).
+  void bind_entry(slot_id s, slot_id after = null_slot, bool may_grow = true) {
     if constexpr (compact_summaries) {
       std::uint32_t e = no_entry;
-      if (!free_entries_.empty()) {
+      if (after != null_slot && entry_of_[after] != no_entry &&
+          (entry_of_[after] + 1) % entry_run != 0) {  // the next entry, in the same tile
+        const std::uint32_t next = entry_of_[after] + 1;
+        if (next < entries_used_ && free_pos_[next] != no_entry) {
+          take_free(next);
+          e = next;
+        } else if (next == entries_used_ && next < summaries_.capacity()) {
+          e = entries_used_++;
+        }
+      }
+      while (e == no_entry && !free_tiles_.empty()) {  // a new run: a whole free tile
+        const std::uint32_t t = free_tiles_.back();
+        free_tiles_.pop_back();
+        tile_listed_[t] = 0;
+        if (tile_free_[t] == entry_run) {
+          e = t * entry_run;
+          take_free(e);
+        }
+      }
+      if (e == no_entry) {  // or a whole tile of the entries never handed out
+        const std::uint32_t aligned = (entries_used_ + entry_run - 1) / entry_run * entry_run;
+        if (may_grow && std::size_t{aligned} + entry_run > summaries_.capacity()) {
+          grow_entries(std::size_t{aligned} + entry_run);
+        }
+        if (std::size_t{aligned} + entry_run <= summaries_.capacity()) {
+          while (entries_used_ < aligned) {
+            push_free(entries_used_++);
+          }
+          e = entries_used_++;
+        }
+      }
+      if (e == no_entry && !free_entries_.empty()) {  // else the start of a free stretch
         e = free_entries_.back();
-        free_entries_.pop_back();
-      } else {
+        while (e % entry_run != 0 && free_pos_[e - 1] != no_entry) {
+          --e;
+        }
+        take_free(e);
+      }
+      if (e == no_entry) {
         if (entries_used_ == summaries_.capacity()) {
           reserve_entries(1);
         }
@@ -899,9 +981,10 @@ class tiered_kv_cache {
       entry_of_[s] = e;
       summaries_.reset(e);
     } else if constexpr (has_summary) {
+      (void)after, (void)may_grow;
       summaries_.reset(s);
     } else {
-      (void)s;
+      (void)s, (void)after, (void)may_grow;
     }
   }
 
@@ -909,12 +992,33 @@ class tiered_kv_cache {
   void unbind_entry(slot_id s) noexcept {
     if constexpr (compact_summaries) {
       if (entry_of_[s] != no_entry) {
-        free_entries_.push_back(entry_of_[s]);  // fits: never more than entries_used_
+        push_free(entry_of_[s]);
         entry_of_[s] = no_entry;
       }
     } else {
       (void)s;
     }
+  }
+
+  // The free entries: a list with each entry's position, so that any one leaves it in O(1).
+  // Neither allocates: `free_entries_` has room for every entry, `free_pos_` one per entry.
+  // A tile whose entries are all free goes on `free_tiles_` (once), where new runs start.
+  void push_free(std::uint32_t e) noexcept {
+    free_pos_[e] = static_cast<std::uint32_t>(free_entries_.size());
+    free_entries_.push_back(e);
+    const std::uint32_t t = e / entry_run;
+    if (++tile_free_[t] == entry_run && tile_listed_[t] == 0) {
+      tile_listed_[t] = 1;
+      free_tiles_.push_back(t);  // fits: room for every tile
+    }
+  }
+  void take_free(std::uint32_t e) noexcept {
+    const std::uint32_t at = free_pos_[e], last = free_entries_.back();
+    free_entries_[at] = last;
+    free_pos_[last] = at;
+    free_entries_.pop_back();
+    free_pos_[e] = no_entry;
+    --tile_free_[e / entry_run];
   }
 
   void predict(const layer_state& ls, query_view queries, selection& out) {
@@ -1031,6 +1135,10 @@ class tiered_kv_cache {
   summary_store summaries_;
   std::vector<std::uint32_t> entry_of_;      // compact_summaries: capacity slot -> entry
   std::vector<std::uint32_t> free_entries_;  // compact_summaries: entries to reuse
+  std::vector<std::uint32_t> free_pos_;      // compact_summaries: entry -> its place there
+  std::vector<std::uint32_t> free_tiles_;    // compact_summaries: tiles once seen all free
+  std::vector<std::uint8_t> tile_free_;      // compact_summaries: free entries per tile
+  std::vector<std::uint8_t> tile_listed_;    // compact_summaries: tile is on free_tiles_
   std::uint32_t entries_used_ = 0;           // compact_summaries: entries ever handed out
   std::vector<std::uint32_t> summary_ids_;   // predict's scratch (under the mutex)
   predictor_type predictor_;

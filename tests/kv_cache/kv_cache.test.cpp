@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -435,6 +436,75 @@ TEST_CASE_TEMPLATE("tiered_kv_cache: summary entries only for the slots in use, 
   // The slot-indexed store covers all 4096 slots; the compact one what the sequences held.
   MESSAGE("summary bytes: compact " << a.summary_bytes() << ", one per slot " << b.summary_bytes());
   CHECK(a.summary_bytes() * 4 < b.summary_bytes());
+}
+
+namespace {
+// A summary that remembers the entry ids of its last `score_rows` call (the predictor scores
+// one (sequence, layer) at a time, on the calling thread).
+template <class S>
+struct recording : S {
+  using S::S;
+  static inline thread_local std::vector<std::uint32_t> last;
+  void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, float* out) const {
+    last.assign(entries.begin(), entries.end());
+    S::score_rows(h, entries, q, n, out);
+  }
+};
+
+std::size_t tiles_touched(const std::vector<std::uint32_t>& ids) {
+  std::vector<std::uint32_t> t;
+  for (const std::uint32_t e : ids) {
+    t.push_back(e / 16);
+  }
+  std::sort(t.begin(), t.end());
+  return static_cast<std::size_t>(std::unique(t.begin(), t.end()) - t.begin());
+}
+}  // namespace
+
+TEST_CASE("tiered_kv_cache: a layer's decoded blocks keep consecutive summary entries") {
+  // Decoding appends one token to every layer in turn, so with 20 layers the blocks of all
+  // layers are allocated interleaved. A layer's entries must still run consecutively within
+  // tiles of 16, which a summary scores with one pass each; interleaved, every block would
+  // cost a tile of its own. Also after a sequence is removed and its entries are reused.
+  using S = recording<minmax_summary<>>;
+  static_assert(row_scoring_summary<S> && growable_summary<S>);
+  using cache_type =
+      tiered_kv_cache<bundle<lookahead_prefetcher<lru_eviction>, lookahead_predictor<S>>>;
+  static_assert(cache_type::compact_summaries);
+  const kv_layout l{20, 2, 1, 8, 4, dtype::f16};
+  cache_type cache(host_tier(l, 20 * 256), host_tier(l, 20 * 8), cache_options{.budget_tokens = 8});
+  std::mt19937 rng(5);
+  std::vector<float> q(std::size_t{l.num_q_heads} * l.head_dim, 0.5f);
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    const sequence_id a = cache.add_sequence(), b = cache.add_sequence();
+    for (std::uint32_t t = 0; t < 4 * 50; ++t) {  // 50 blocks per layer, two sequences
+      for (const sequence_id s : {a, b}) {
+        for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+          const auto k = random_rows(l, 1, rng), v = random_rows(l, 1, rng);
+          cache.append(s, layer, k.data(), v.data(), 1);
+        }
+      }
+    }
+    cache.audit();
+    for (const sequence_id s : {a, b}) {
+      for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+        cache.lookahead(s, layer, {q.data(), nullptr, 1});
+        const std::vector<std::uint32_t>& ids = S::last;
+        REQUIRE(ids.size() == 50);
+        CAPTURE(layer);
+        MESSAGE("tiles " << tiles_touched(ids));
+        // 50 blocks fit 4 tiles; one more when a run had to start mid-tile.
+        CHECK(tiles_touched(ids) <= 5);
+      }
+    }
+    cache.remove(a);  // its runs return to the free list, for the next round
+    if (round == 2) {
+      cache.remove(b);
+    }
+    cache.audit();
+  }
 }
 
 namespace {
