@@ -201,14 +201,14 @@ class minmax_summary {
   //! `entries[i]` of KV head `h`. One pass over the entries serves all `n` rows.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
              std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, out, detail::score_sink::entry_major(out, n));
+    score_into(h, entries, q, n, detail::score_sink::entry_major(out, n));
   }
 
   //! @brief `score` transposed: `out[r * entries.size() + i]`, the layout the predictor's
   //! aggregations read (see `row_scoring_summary`), written straight from the kernel's tiles.
   void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
                   std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, out, detail::score_sink::row_major(out, entries.size()));
+    score_into(h, entries, q, n, detail::score_sink::row_major(out, entries.size()));
   }
 
   //! @brief The stored bounds of entry `b`, KV head `h`: `[max (head_dim)][min (head_dim)]`, a
@@ -229,7 +229,7 @@ class minmax_summary {
 
  private:
   void score_into(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
-                  std::uint32_t n, const float* out, const detail::score_sink& sink) const {
+                  std::uint32_t n, const detail::score_sink& sink) const {
     if (h >= layout_.num_kv_heads) [[unlikely]] {
       detail::raise(errc::out_of_range, "minmax_summary::score: kv head ", h,
                     " >= num_kv_heads = ", layout_.num_kv_heads);
@@ -237,7 +237,7 @@ class minmax_summary {
     if (entries.empty() || n == 0) {
       return;
     }
-    if (q == nullptr || out == nullptr) [[unlikely]] {
+    if (q == nullptr || sink.out == nullptr) [[unlikely]] {
       detail::raise(errc::invalid_argument, "minmax_summary::score: null query or output");
     }
     const bool contiguous = detail::check_entry_ids(entries, capacity_, "minmax_summary");

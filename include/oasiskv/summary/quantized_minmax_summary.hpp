@@ -306,18 +306,18 @@ class quantized_minmax_summary {
   //! `entries[i]` of KV head `h`.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
              std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, out, detail::score_sink::entry_major(out, n));
+    score_into(h, entries, q, n, detail::score_sink::entry_major(out, n));
   }
 
   //! @brief `score` transposed: `out[r * entries.size() + i]` (see `row_scoring_summary`).
   void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
                   std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, out, detail::score_sink::row_major(out, entries.size()));
+    score_into(h, entries, q, n, detail::score_sink::row_major(out, entries.size()));
   }
 
  private:
   void score_into(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
-                  std::uint32_t n, const float* out, const detail::score_sink& sink) const {
+                  std::uint32_t n, const detail::score_sink& sink) const {
     if (h >= layout_.num_kv_heads) [[unlikely]] {
       detail::raise(errc::out_of_range, "quantized_minmax_summary::score: kv head ", h,
                     " >= num_kv_heads = ", layout_.num_kv_heads);
@@ -325,7 +325,7 @@ class quantized_minmax_summary {
     if (entries.empty() || n == 0) {
       return;
     }
-    if (q == nullptr || out == nullptr) [[unlikely]] {
+    if (q == nullptr || sink.out == nullptr) [[unlikely]] {
       detail::raise(errc::invalid_argument,
                     "quantized_minmax_summary::score: null query or output");
     }
