@@ -1,6 +1,7 @@
 // The OasisKV decode loop end to end: sequences of 32k tokens whose capacity tier is a file read
-// with O_DIRECT, a fast tier holding a budget of blocks, and per layer append -> attend ->
-// lookahead, as an engine's speculative decoder drives it. One row per scheduler:
+// with O_DIRECT (writing behind: each token's partial block is copied, not waited for), a fast
+// tier holding a budget of blocks, and per layer append -> attend -> lookahead, as an engine's
+// speculative decoder drives it. One row per scheduler:
 //   lookahead     the next step's blocks predicted from its (drafted) query and prefetched
 //   on_demand     the same selection, fetched when attention asks for it
 //   all_resident  every block staged in the fast tier (the upper bound: no transfer at all)
@@ -118,7 +119,7 @@ std::unique_ptr<tiered_kv_cache<Bundle>> make_cache(std::uint32_t fast_slots, kv
                                                     sequence_id& seq) {
   const std::uint32_t capacity = layout.num_layers * layout.blocks_for(context + 4096);
   auto cache = std::make_unique<tiered_kv_cache<Bundle>>(
-      file_tier(layout, capacity, {.path = "/tmp"}),
+      file_tier(layout, capacity, {.path = "/tmp", .write_behind = true}),
       host_tier(layout, fast_slots, {.prefault = true}),
       cache_options{.budget_tokens = budget_tokens, .sink_blocks = 1, .recent_blocks = 2});
   seq = cache->add_sequence();

@@ -522,46 +522,54 @@ struct file_bundle {
 TEST_CASE("tiered_kv_cache over a file capacity tier: appends, forks, attention as dense") {
   // The capacity tier is a file read with O_DIRECT: appends go through the tail buffer of each
   // partial block, forks copy it on write, and staged copies must equal the file's blocks.
+  // With write-behind, the file lags the appends and reads of the newest blocks come from the
+  // tier's copies.
   const kv_layout l{2, 4, 2, 16, 4, dtype::f32};
-  tiered_kv_cache<file_bundle> cache(file_tier(l, 256, {.path = "/tmp"}), host_tier(l, 96),
-                                     {.budget_tokens = 256, .scale = 0.25f});
-  std::mt19937 rng(12);
-  const sequence_id a = cache.add_sequence();
-  append_random(cache, a, 23, rng);
-  const sequence_id b = cache.fork(a);
-  append_random(cache, b, 6, rng);
-  append_random(cache, a, 2, rng);
-  for (sequence_id s : {a, b}) {
-    for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
-      auto draft = random_queries(l, 1, rng);
-      cache.lookahead(s, layer, {draft.data(), nullptr, 1});
-      auto q = random_queries(l, 1, rng);
-      std::vector<float> out(q.size()), lse(l.num_q_heads), ref(q.size()), ref_lse(lse.size());
-      const sequence_id one[1] = {s};
-      cache.attend(one, layer, q.data(), 1, out.data(), lse.data());
-      // Dense reference over a host copy of the file's blocks.
-      const auto slots = cache.block_slots(s, layer);
-      host_tier copy(l, static_cast<std::uint32_t>(slots.size()));
-      std::vector<block_ref> refs;
-      for (std::uint32_t i = 0; i < slots.size(); ++i) {
-        cache.capacity_tier().read_block(slots[i], copy.slot_data(i));
-        refs.push_back({i, i});
+  for (const bool behind : {false, true}) {
+    CAPTURE(behind);
+    tiered_kv_cache<file_bundle> cache(file_tier(l, 256, {.path = "/tmp", .write_behind = behind}),
+                                       host_tier(l, 96), {.budget_tokens = 256, .scale = 0.25f});
+    std::mt19937 rng(12);
+    const sequence_id a = cache.add_sequence();
+    append_random(cache, a, 23, rng);
+    const sequence_id b = cache.fork(a);
+    append_random(cache, b, 6, rng);
+    append_random(cache, a, 2, rng);
+    for (sequence_id s : {a, b}) {
+      for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+        auto draft = random_queries(l, 1, rng);
+        cache.lookahead(s, layer, {draft.data(), nullptr, 1});
+        auto q = random_queries(l, 1, rng);
+        std::vector<float> out(q.size()), lse(l.num_q_heads), ref(q.size()), ref_lse(lse.size());
+        const sequence_id one[1] = {s};
+        cache.attend(one, layer, q.data(), 1, out.data(), lse.data());
+        // Dense reference over a host copy of the file's blocks.
+        const auto slots = cache.block_slots(s, layer);
+        host_tier copy(l, static_cast<std::uint32_t>(slots.size()));
+        std::vector<block_ref> refs;
+        for (std::uint32_t i = 0; i < slots.size(); ++i) {
+          cache.capacity_tier().read_block(slots[i], copy.slot_data(i));
+          refs.push_back({i, i});
+        }
+        const std::uint32_t offsets[2] = {0, static_cast<std::uint32_t>(refs.size())};
+        const std::uint32_t len = cache.length(s, layer);
+        reference_decode{}.decode({q.data(),
+                                   copy.view(),
+                                   {refs.data(), offsets, 1, 1},
+                                   &len,
+                                   ref.data(),
+                                   ref_lse.data(),
+                                   1,
+                                   1,
+                                   0.25f});
+        REQUIRE(oasiskv::testing::max_rel_error(out, ref) < 1e-5);
       }
-      const std::uint32_t offsets[2] = {0, static_cast<std::uint32_t>(refs.size())};
-      const std::uint32_t len = cache.length(s, layer);
-      reference_decode{}.decode({q.data(),
-                                 copy.view(),
-                                 {refs.data(), offsets, 1, 1},
-                                 &len,
-                                 ref.data(),
-                                 ref_lse.data(),
-                                 1,
-                                 1,
-                                 0.25f});
-      REQUIRE(oasiskv::testing::max_rel_error(out, ref) < 1e-5);
     }
+    CHECK(cache.length(a) == 25);
+    CHECK(cache.length(b) == 29);
+    CHECK(cache.audit() > 0);  // staged copies equal the file's blocks
+    cache.capacity_tier().flush();
+    CHECK(cache.capacity_tier().pending_writes() == 0);
+    CHECK(cache.audit() > 0);
   }
-  CHECK(cache.length(a) == 25);
-  CHECK(cache.length(b) == 29);
-  CHECK(cache.audit() > 0);  // staged copies equal the file's blocks
 }

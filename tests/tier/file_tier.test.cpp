@@ -202,42 +202,62 @@ TEST_CASE("file_tier: 100k randomized block reads and writes against an in-memor
   std::mt19937_64 rng(7);
   temp_dir dir;
   for (const file_backend backend : backends()) {
-    CAPTURE(oasiskv::to_string(backend));
-    const std::uint32_t n = 96;
-    file_tier t(odd, n, {.path = dir.path.string(), .backend = backend, .queue_depth = 16});
-    const std::size_t bb = odd.block_bytes();
-    std::vector<std::byte> model(n * bb, std::byte{0});  // unwritten slots read as zeros
-    test_buffers buf(32, bb, 0);
-    test_buffers skewed(32, bb, 64);
-    std::vector<slot_id> perm(n);
-    std::iota(perm.begin(), perm.end(), 0u);
-    std::size_t ops = 0;
-    while (ops < 100000) {
-      const auto k = static_cast<std::uint32_t>(1 + rng() % 32);  // 1: the single-block calls
-      const bool write = rng() % 2 == 0;
-      const test_buffers& b = rng() % 2 == 0 ? buf : skewed;
-      for (std::uint32_t i = 0; i < k; ++i) {  // k distinct slots
-        std::swap(perm[i], perm[i + rng() % (n - i)]);
+    for (const bool behind : {false, true}) {
+      CAPTURE(oasiskv::to_string(backend));
+      CAPTURE(behind);
+      const std::uint32_t n = 96;
+      // queue_depth 16 < the largest batch (32): write-behind must wait for room.
+      file_tier t(odd, n,
+                  {.path = dir.path.string(),
+                   .backend = backend,
+                   .queue_depth = 16,
+                   .write_behind = behind});
+      CHECK(t.write_behind() == behind);
+      const std::size_t bb = odd.block_bytes();
+      std::vector<std::byte> model(n * bb, std::byte{0});  // unwritten slots read as zeros
+      test_buffers buf(32, bb, 0);
+      test_buffers skewed(32, bb, 64);
+      std::vector<slot_id> perm(n);
+      std::iota(perm.begin(), perm.end(), 0u);
+      std::size_t ops = 0;
+      while (ops < 100000) {
+        const auto k = static_cast<std::uint32_t>(1 + rng() % 32);  // 1: the single-block calls
+        const bool write = rng() % 2 == 0;
+        const test_buffers& b = rng() % 2 == 0 ? buf : skewed;
+        for (std::uint32_t i = 0; i < k; ++i) {  // k distinct slots
+          std::swap(perm[i], perm[i + rng() % (n - i)]);
+        }
+        if (write) {
+          std::vector<block_write> w;
+          for (std::uint32_t i = 0; i < k; ++i) {
+            fill_random(b[i], bb, rng);
+            std::memcpy(model.data() + perm[i] * bb, b[i], bb);
+            w.push_back({perm[i], b[i]});
+          }
+          k == 1 ? t.write_block(w[0].slot, w[0].in) : t.write_blocks(w);
+        } else {
+          std::vector<block_read> r;
+          for (std::uint32_t i = 0; i < k; ++i) {
+            r.push_back({perm[i], b[i]});
+          }
+          k == 1 ? t.read_block(r[0].slot, r[0].out) : t.read_blocks(r);
+          for (std::uint32_t i = 0; i < k; ++i) {
+            REQUIRE(std::memcmp(b[i], model.data() + perm[i] * bb, bb) == 0);
+          }
+        }
+        ops += k;
       }
-      if (write) {
-        std::vector<block_write> w;
-        for (std::uint32_t i = 0; i < k; ++i) {
-          fill_random(b[i], bb, rng);
-          std::memcpy(model.data() + perm[i] * bb, b[i], bb);
-          w.push_back({perm[i], b[i]});
-        }
-        k == 1 ? t.write_block(w[0].slot, w[0].in) : t.write_blocks(w);
-      } else {
-        std::vector<block_read> r;
-        for (std::uint32_t i = 0; i < k; ++i) {
-          r.push_back({perm[i], b[i]});
-        }
-        k == 1 ? t.read_block(r[0].slot, r[0].out) : t.read_blocks(r);
-        for (std::uint32_t i = 0; i < k; ++i) {
-          REQUIRE(std::memcmp(b[i], model.data() + perm[i] * bb, bb) == 0);
-        }
+      // After flush the file itself holds the model (read behind the tier's back, buffered).
+      t.flush();
+      CHECK(t.pending_writes() == 0);
+      CHECK(t.failed_writes() == 0);
+      const test_buffers slot(1, t.slot_bytes(), 0);  // aligned: the descriptor has O_DIRECT
+      for (slot_id s = 0; s < n; ++s) {
+        REQUIRE(::pread(t.native_handle(), slot[0], t.slot_bytes(),
+                        static_cast<off_t>(s * t.slot_bytes())) ==
+                static_cast<ssize_t>(t.slot_bytes()));
+        REQUIRE(std::memcmp(slot[0], model.data() + s * bb, bb) == 0);
       }
-      ops += k;
     }
   }
 }
@@ -245,45 +265,53 @@ TEST_CASE("file_tier: 100k randomized block reads and writes against an in-memor
 TEST_CASE("file_tier: concurrent readers and writers on distinct slots") {
   temp_dir dir;
   for (const file_backend backend : backends()) {
-    CAPTURE(oasiskv::to_string(backend));
-    constexpr std::uint32_t threads = 4, per_thread = 16, rounds = 60;
-    file_tier t(odd, threads * per_thread,
-                {.path = dir.path.string(), .backend = backend, .queue_depth = 8});
-    const std::size_t bb = odd.block_bytes();
-    std::vector<std::thread> pool;
-    std::vector<int> bad(threads, 0);
-    for (std::uint32_t id = 0; id < threads; ++id) {
-      pool.emplace_back([&, id] {
-        std::mt19937_64 rng(id);
-        test_buffers in(per_thread, bb, id % 2 == 0 ? 0 : 64), out(per_thread, bb, 0);
-        std::vector<block_write> w;
-        std::vector<block_read> r;
-        for (std::uint32_t i = 0; i < per_thread; ++i) {
-          w.push_back({id * per_thread + i, in[i]});
-          r.push_back({id * per_thread + i, out[i]});
-        }
-        for (std::uint32_t round = 0; round < rounds; ++round) {
+    for (const bool behind : {false, true}) {
+      CAPTURE(oasiskv::to_string(backend));
+      CAPTURE(behind);
+      constexpr std::uint32_t threads = 4, per_thread = 16, rounds = 60;
+      file_tier t(odd, threads * per_thread,
+                  {.path = dir.path.string(),
+                   .backend = backend,
+                   .queue_depth = 8,
+                   .write_behind = behind});
+      const std::size_t bb = odd.block_bytes();
+      std::vector<std::thread> pool;
+      std::vector<int> bad(threads, 0);
+      for (std::uint32_t id = 0; id < threads; ++id) {
+        pool.emplace_back([&, id] {
+          std::mt19937_64 rng(id);
+          test_buffers in(per_thread, bb, id % 2 == 0 ? 0 : 64), out(per_thread, bb, 0);
+          std::vector<block_write> w;
+          std::vector<block_read> r;
           for (std::uint32_t i = 0; i < per_thread; ++i) {
-            fill_random(in[i], bb, rng);
+            w.push_back({id * per_thread + i, in[i]});
+            r.push_back({id * per_thread + i, out[i]});
           }
-          if (round % 3 == 0) {
-            for (const block_write& x : w) {
-              t.write_block(x.slot, x.in);
+          for (std::uint32_t round = 0; round < rounds; ++round) {
+            for (std::uint32_t i = 0; i < per_thread; ++i) {
+              fill_random(in[i], bb, rng);
             }
-          } else {
-            t.write_blocks(w);
+            if (round % 3 == 0) {
+              for (const block_write& x : w) {
+                t.write_block(x.slot, x.in);
+              }
+            } else {
+              t.write_blocks(w);
+            }
+            t.read_blocks(r);
+            for (std::uint32_t i = 0; i < per_thread; ++i) {
+              bad[id] += std::memcmp(in[i], out[i], bb) != 0;
+            }
           }
-          t.read_blocks(r);
-          for (std::uint32_t i = 0; i < per_thread; ++i) {
-            bad[id] += std::memcmp(in[i], out[i], bb) != 0;
-          }
-        }
-      });
+        });
+      }
+      for (std::thread& th : pool) {
+        th.join();
+      }
+      CHECK(std::accumulate(bad.begin(), bad.end(), 0) == 0);
+      t.flush();
+      CHECK(t.pending_writes() == 0);
     }
-    for (std::thread& th : pool) {
-      th.join();
-    }
-    CHECK(std::accumulate(bad.begin(), bad.end(), 0) == 0);
   }
 }
 
@@ -298,7 +326,9 @@ TEST_CASE("file_tier: cpu_copy_engine moves blocks between host_tier and file_ti
       const std::size_t bb = smollm2.block_bytes();
       oasiskv::host_tier host(smollm2, n, {.align = align});
       oasiskv::host_tier back(smollm2, n, {.align = align});
-      file_tier file(smollm2, n, {.path = dir.path.string(), .backend = backend});
+      // The first file writes behind: the engine's reads of it must see the newest blocks.
+      file_tier file(smollm2, n,
+                     {.path = dir.path.string(), .backend = backend, .write_behind = true});
       file_tier file2(smollm2, n, {.path = dir.path.string(), .backend = backend});
       for (slot_id s = 0; s < n; ++s) {
         fill_random(host.slot_data(s), bb, rng);
@@ -336,8 +366,20 @@ TEST_CASE("file_tier: a named file keeps its blocks for the next tier, and is lo
                  "is locked by another user");
   }
   CHECK(fs::file_size(path) == 4 * 12288);
+  {
+    file_tier t(smollm2, 4, {.path = path});
+    t.read_block(2, b.data());
+    CHECK(a == b);
+  }
+  // A tier that writes behind leaves its last writes in the file when it is destroyed.
+  fill_random(a.data(), a.size(), rng);
+  {
+    file_tier t(smollm2, 4, {.path = path, .write_behind = true});
+    t.write_block(3, b.data());
+    t.write_block(3, a.data());  // the newer content wins
+  }
   file_tier t(smollm2, 4, {.path = path});
-  t.read_block(2, b.data());
+  t.read_block(3, b.data());
   CHECK(a == b);
 }
 
@@ -364,6 +406,42 @@ TEST_CASE("file_tier: I/O failures name the slot, the offset and the system's re
     oasiskv::cpu_copy_engine engine;
     const auto ticket = engine.submit(t, host, std::vector<oasiskv::block_copy>{{0, 0}, {1, 1}});
     expect_error([&] { engine.wait(ticket); }, errc::transfer_failed, "short read of slot");
+  }
+}
+
+TEST_CASE("file_tier: a write-behind failure keeps the block, and flush names it") {
+  temp_dir dir;
+  std::mt19937_64 rng(9);
+  for (const file_backend backend : backends()) {
+    CAPTURE(oasiskv::to_string(backend));
+    file_tier t(smollm2, 8, {.path = dir.path.string(), .backend = backend, .write_behind = true});
+    std::vector<std::byte> a(smollm2.block_bytes()), b(smollm2.block_bytes()),
+        c(smollm2.block_bytes());
+    fill_random(a.data(), a.size(), rng);
+    fill_random(c.data(), c.size(), rng);
+    t.write_block(1, c.data());
+    t.flush();  // slot 1 is on the device before the file goes bad
+    const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    REQUIRE(null_fd >= 0);
+    REQUIRE(::dup2(null_fd, t.native_handle()) == t.native_handle());
+    ::close(null_fd);
+    t.write_block(5, a.data());  // returns: the device's refusal comes later
+    expect_error([&] { t.flush(); }, errc::io_error,
+                 "1 block(s) could not be written and are held in memory; the first: oasiskv: "
+                 "file_tier: write of slot 5 at offset 61440 (12288 bytes) failed: Bad file "
+                 "descriptor");
+    CHECK(t.failed_writes() == 1);
+    CHECK(t.pending_writes() == 0);
+    t.read_block(5, b.data());  // no data lost: the refused block reads back from memory
+    CHECK(a == b);
+    const std::vector<block_read> r{{5, b.data()}, {1, c.data()}};
+    expect_error([&] { t.read_blocks(r); }, errc::io_error, "short read of slot 1");
+    expect_error([&] { t.flush(); }, errc::io_error, "1 block(s) could not be written");
+    // A newer write of the slot supersedes the held block (and fails in its turn).
+    std::vector<std::byte> d(smollm2.block_bytes(), std::byte{7});
+    t.write_block(5, d.data());
+    t.read_block(5, b.data());
+    CHECK(b == d);
   }
 }
 

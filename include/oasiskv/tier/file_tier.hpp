@@ -10,7 +10,9 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "oasiskv/concepts/tier_backend.hpp"
 #include "oasiskv/core/error.hpp"
@@ -18,6 +20,7 @@
 #include "oasiskv/tier/detail/file_io.hpp"
 #include "oasiskv/tier/detail/pread_pool.hpp"
 #include "oasiskv/tier/detail/uring_ring.hpp"
+#include "oasiskv/tier/detail/write_behind.hpp"
 
 namespace oasiskv {
 
@@ -55,6 +58,15 @@ struct file_tier_options {
   std::uint32_t queue_depth = 64;
   //! Threads of the pread_pool backend (not started with io_uring).
   std::uint32_t pool_threads = 4;
+  //! Write-behind: a write returns once its blocks are copied into memory the tier owns (at
+  //! most `queue_depth` blocks, the oldest writes wait beyond that); a writer thread hands them
+  //! to the device in batches, and a read of a slot whose newest content is not on the device
+  //! yet is served from that copy, so every read still returns the last write. A decoder that
+  //! writes each token's partial block then pays a copy instead of a device round trip per
+  //! layer. Device errors show at `flush()`, which waits for every pending write; the content
+  //! of a failed write is kept, and read back, until a later write or `flush` succeeds. Off: a
+  //! write returns when the device has the block, and a device error is that write's.
+  bool write_behind = false;
 };
 
 // The class's layout and code differ with OASISKV_WITH_LIBURING; a distinct inline namespace per
@@ -112,6 +124,12 @@ class file_tier {
     state_->temporary = f.temporary;
     state_->geo = {state_->file.get(), layout_.block_bytes(), slot_bytes_, f.direct};
     choose_backend();
+    if (options.write_behind) {
+      state* st = state_.get();  // stable: the tier may move, its state does not
+      state_->behind = std::make_unique<detail::write_behind>(
+          layout_.block_bytes(), slot_bytes_, options.queue_depth,
+          [st](std::span<const block_write> w) { device_run(*st, w); });
+    }
   }
 
   file_tier(file_tier&&) noexcept = default;
@@ -134,7 +152,23 @@ class file_tier {
   bool temporary() const noexcept { return state_->temporary; }
   const file_tier_options& options() const noexcept { return state_->options; }
   //! @brief The file descriptor, e.g. to fsync or to register it elsewhere. Owned by the tier.
+  //! With `write_behind`, call `flush()` first: the file may lag the tier's newest writes.
   int native_handle() const noexcept { return state_->geo.fd; }
+  //! @brief Whether writes return before the device has their blocks (`write_behind`).
+  bool write_behind() const noexcept { return state_->behind != nullptr; }
+  //! @brief Blocks written (with `write_behind`) that are not on the device yet.
+  std::size_t pending_writes() const { return state_->behind ? state_->behind->pending() : 0; }
+  //! @brief Slots (with `write_behind`) whose write the device refused: their content is held
+  //! in memory, and read back, until a later write or `flush()` succeeds.
+  std::size_t failed_writes() const { return state_->behind ? state_->behind->failed() : 0; }
+  //! @brief Waits until every write has reached the device, and retries (once) those it had
+  //! refused. Throws `errc::io_error` naming the first that still fails. Without `write_behind`
+  //! there is nothing to wait for.
+  void flush() {
+    if (state_->behind) {
+      state_->behind->flush();
+    }
+  }
 
   //! @brief Whether this build has io_uring and the kernel lets this process create a ring.
   static bool io_uring_available() noexcept {
@@ -151,7 +185,8 @@ class file_tier {
     const block_read r{s, out};
     read_blocks(std::span<const block_read>(&r, 1));
   }
-  //! @brief Copies the `layout().block_bytes()` bytes at `in` into slot `s`. Blocks.
+  //! @brief Copies the `layout().block_bytes()` bytes at `in` into slot `s`. Blocks (with
+  //! `write_behind`, only until the block is copied).
   void write_block(slot_id s, const std::byte* in) {
     const block_write w{s, in};
     write_blocks(std::span<const block_write>(&w, 1));
@@ -164,7 +199,8 @@ class file_tier {
     run(reads, "read_blocks");
   }
   //! @brief As `read_blocks`, for writes. A slot should appear once per batch (the order of
-  //! writes within a batch is unspecified).
+  //! writes within a batch is unspecified). With `write_behind`, returns once the blocks are
+  //! copied, and device errors show at `flush()`.
   void write_blocks(std::span<const block_write> writes) {
     run(writes, "write_blocks");
   }
@@ -188,6 +224,8 @@ class file_tier {
     // engine worker) this is exactly one ring.
     detail::lease_pool<detail::uring_ring> rings;
 #endif
+    // Last member: destroyed first, while the rings or pool its writer uses still exist.
+    std::unique_ptr<detail::write_behind> behind;
   };
 
   void choose_backend() {
@@ -239,6 +277,26 @@ class file_tier {
       return;
     }
     state& st = *state_;
+    if (st.behind) {
+      if constexpr (std::is_same_v<Req, block_write>) {
+        st.behind->enqueue(reqs);
+        return;
+      } else {
+        std::vector<block_read> rest;
+        st.behind->serve(reqs, rest);
+        device_run(st, std::span<const block_read>(rest));
+        return;
+      }
+    }
+    device_run(st, reqs);
+  }
+
+  // The requests, checked, on the device.
+  template <class Req>
+  static void device_run(state& st, std::span<const Req> reqs) {
+    if (reqs.empty()) {
+      return;
+    }
 #if defined(OASISKV_WITH_LIBURING)
     if (st.backend == file_backend::io_uring) {
       run_uring(st, reqs);
@@ -258,10 +316,10 @@ class file_tier {
 
 #if defined(OASISKV_WITH_LIBURING)
   template <class Req>
-  void run_uring(state& st, std::span<const Req> reqs) const {
+  static void run_uring(state& st, std::span<const Req> reqs) {
     std::unique_ptr<detail::uring_ring> ring = st.rings.take([&] {
       int err = 0;
-      auto r = detail::uring_ring::create(queue_depth(), err);
+      auto r = detail::uring_ring::create(st.options.queue_depth, err);
       if (!r) [[unlikely]] {
         // A first ring was created at construction; a later one can fail only for resources.
         detail::raise(errc::io_error, "file_tier: cannot create another io_uring ring for a ",

@@ -60,6 +60,8 @@ class aligned_buffer {
     }
     return data_;
   }
+  //! The buffer (null before the first `ensure`).
+  const std::byte* data() const noexcept { return data_; }
 
  private:
   void release() noexcept {

@@ -1,0 +1,246 @@
+//! @file
+//! @brief The write-behind queue of `file_tier`: writes return once their block is copied, a
+//! writer thread hands them to the device in batches, and reads of a slot whose newest content
+//! is not on the device yet are served from that copy. Not part of the public API.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/tier/detail/file_io.hpp"
+
+namespace oasiskv::detail {
+
+//! @brief Pending writes of one file. The newest content of a slot lives in exactly one place:
+//! a queued copy (not started), else an in-flight copy (being written), else a copy whose write
+//! failed (kept until a later write or `flush` puts the slot on the device), else the file.
+class write_behind {
+ public:
+  //! Writes a batch to the device synchronously; throws on the first failure.
+  using device_writer = std::function<void(std::span<const block_write>)>;
+
+  write_behind(std::size_t block_bytes, std::size_t stride, std::uint32_t capacity,
+               device_writer write)
+      : block_bytes_(block_bytes), stride_(stride), capacity_(capacity), write_(std::move(write)) {
+    writer_ = std::thread([this] { run(); });
+  }
+  write_behind(const write_behind&) = delete;
+  write_behind& operator=(const write_behind&) = delete;
+
+  //! Writes everything still pending (failures are dropped: the tier is going away), then stops.
+  ~write_behind() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    work_cv_.notify_all();
+    writer_.join();
+  }
+
+  //! Copies each block and queues it; returns once copied. A slot already queued and not yet
+  //! started has its copy replaced (the device sees the newest content only). Waits while
+  //! `capacity` copies are pending.
+  void enqueue(std::span<const block_write> writes) {
+    std::unique_lock lock(mutex_);
+    for (const block_write& w : writes) {
+      if (auto it = queued_.find(w.slot); it != queued_.end()) {
+        std::memcpy(it->second->data.ensure(stride_), w.in, block_bytes_);
+        continue;
+      }
+      if (pending_ >= capacity_) {
+        work_cv_.notify_one();  // the writer may be asleep with the queue full
+        done_cv_.wait(lock, [&] { return pending_ < capacity_; });
+      }
+      std::unique_ptr<copy> c = take_copy();
+      std::byte* p = c->data.ensure(stride_);
+      std::memcpy(p, w.in, block_bytes_);
+      std::memset(p + block_bytes_, 0, stride_ - block_bytes_);
+      c->slot = w.slot;
+      failed_.erase(w.slot);  // superseded: the new content is what the slot must hold
+      queued_.emplace(w.slot, c.get());
+      queue_.push_back(std::move(c));
+      ++pending_;
+    }
+    lock.unlock();
+    work_cv_.notify_one();
+  }
+
+  //! Serves the reads of slots whose newest content is held here; appends the others, which the
+  //! device holds, to `rest`.
+  void serve(std::span<const block_read> reads, std::vector<block_read>& rest) const {
+    std::lock_guard lock(mutex_);
+    for (const block_read& r : reads) {
+      if (const std::byte* p = newest(r.slot)) {
+        std::memcpy(r.out, p, block_bytes_);
+      } else {
+        rest.push_back(r);
+      }
+    }
+  }
+
+  //! Waits until every queued write has reached the device; retries the writes that failed,
+  //! once each; throws `errc::io_error` naming the slots still failing (their content stays
+  //! here, and reads keep returning it).
+  void flush() {
+    std::unique_lock lock(mutex_);
+    done_cv_.wait(lock, [&] { return queue_.empty() && in_flight_.empty(); });
+    if (failed_.empty()) {
+      return;
+    }
+    std::string message;
+    std::size_t still = 0;
+    for (auto it = failed_.begin(); it != failed_.end();) {
+      const block_write w{it->first, it->second.held->data.ensure(stride_)};
+      try {
+        write_(std::span<const block_write>(&w, 1));
+        it = failed_.erase(it);
+      } catch (const std::exception& e) {
+        it->second.reason = e.what();
+        if (still++ == 0) {
+          message = it->second.reason;
+        }
+        ++it;
+      }
+    }
+    if (still > 0) {
+      raise(errc::io_error, "file_tier::flush: ", still,
+            " block(s) could not be written and are held in memory; the first: ", message);
+    }
+  }
+
+  //! Copies queued or being written.
+  std::size_t pending() const {
+    std::lock_guard lock(mutex_);
+    return pending_;
+  }
+  //! Slots whose last write failed and whose content is held here until `flush` succeeds.
+  std::size_t failed() const {
+    std::lock_guard lock(mutex_);
+    return failed_.size();
+  }
+
+ private:
+  struct copy {
+    slot_id slot = 0;
+    aligned_buffer data;
+  };
+  struct failure {
+    std::unique_ptr<copy> held;
+    std::string reason;
+  };
+
+  // Called with the lock held.
+  const std::byte* newest(slot_id s) const {
+    if (auto it = queued_.find(s); it != queued_.end()) {
+      return it->second->data.data();
+    }
+    if (auto it = flying_.find(s); it != flying_.end()) {
+      return it->second->data.data();
+    }
+    if (auto it = failed_.find(s); it != failed_.end()) {
+      return it->second.held->data.data();
+    }
+    return nullptr;
+  }
+
+  std::unique_ptr<copy> take_copy() {
+    if (spare_.empty()) {
+      return std::make_unique<copy>();
+    }
+    std::unique_ptr<copy> c = std::move(spare_.back());
+    spare_.pop_back();
+    return c;
+  }
+
+  void run() {
+    std::unique_lock lock(mutex_);
+    std::vector<block_write> batch;
+    for (;;) {
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) {
+        return;  // stopping, and everything queued has been written
+      }
+      // The whole queue is one batch: a slot is queued at most once, so no two writes of a slot
+      // are ever in flight together and the device applies them in order.
+      in_flight_ = std::move(queue_);
+      queue_.clear();
+      queued_.clear();
+      batch.clear();
+      for (const auto& c : in_flight_) {
+        flying_.emplace(c->slot, c.get());
+        batch.push_back({c->slot, c->data.ensure(stride_)});
+      }
+      lock.unlock();
+      std::vector<std::size_t> failed_at;
+      std::vector<std::string> reasons;
+      try {
+        write_(batch);
+      } catch (const std::exception&) {
+        // Which writes failed: try each on its own, so the others complete.
+        for (std::size_t i = 0; i < batch.size(); ++i) {
+          try {
+            write_(std::span<const block_write>(&batch[i], 1));
+          } catch (const std::exception& e) {
+            failed_at.push_back(i);
+            reasons.emplace_back(e.what());
+          }
+        }
+      }
+      lock.lock();
+      std::size_t f = 0;
+      for (std::size_t i = 0; i < in_flight_.size(); ++i) {
+        std::unique_ptr<copy>& c = in_flight_[i];
+        flying_.erase(c->slot);
+        if (f < failed_at.size() && failed_at[f] == i) {
+          // Keep the content, unless a newer write of the slot is already queued.
+          if (!queued_.contains(c->slot)) {
+            const slot_id s = c->slot;
+            failed_[s] = failure{std::move(c), std::move(reasons[f])};
+          } else {
+            spare_.push_back(std::move(c));
+          }
+          ++f;
+        } else {
+          spare_.push_back(std::move(c));
+        }
+      }
+      pending_ -= in_flight_.size();
+      in_flight_.clear();
+      done_cv_.notify_all();
+    }
+  }
+
+  std::size_t block_bytes_;
+  std::size_t stride_;
+  std::uint32_t capacity_;
+  device_writer write_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<std::unique_ptr<copy>> queue_;      // queued, oldest first
+  std::unordered_map<slot_id, copy*> queued_;    // slot -> its queued copy
+  std::deque<std::unique_ptr<copy>> in_flight_;  // the batch being written
+  std::unordered_map<slot_id, copy*> flying_;    // slot -> its copy being written
+  std::unordered_map<slot_id, failure> failed_;  // slot -> content the device refused
+  std::vector<std::unique_ptr<copy>> spare_;     // reused buffers
+  std::size_t pending_ = 0;                      // queued + in flight
+  bool stopping_ = false;
+  std::thread writer_;  // last: starts after every member it uses is constructed
+};
+
+}  // namespace oasiskv::detail
