@@ -352,6 +352,9 @@ class tiered_kv_cache {
       const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
       const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
       const slot_id slot = writable_block(ls, offset);
+      if (offset == 0 && done + count == n) {
+        stage_created(ls, slot);  // the block this append leaves as the sequence's last
+      }
       write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
       if constexpr (stages_everything) {
         if (offset + count == layout_.tokens_per_block) {
@@ -766,6 +769,28 @@ class tiered_kv_cache {
     }
     if constexpr (has_summary) {
       summaries_.update(entry(to), src, 0, filled);
+    }
+  }
+
+  // A block the cache has just created is staged from memory rather than fetched: a fast slot
+  // gets its content (the capacity slot's bytes where the CPU reaches them, else the zeroed tail
+  // buffer), and `write_rows` keeps it exact. Otherwise the first attention over every new block
+  // would miss and read back from the capacity tier what the cache had just written there.
+  void stage_created(layer_state& ls, slot_id slot) {
+    if constexpr (host_accessible_tier<fast_tier_type> &&
+                  requires { scheduler_.stage_new(slot); }) {
+      const auto f = scheduler_.stage_new(slot);
+      if (!f) {
+        return;  // no room: the step fetches it as before
+      }
+      if constexpr (host_accessible_tier<slow_tier_type>) {
+        std::memcpy(fast_.slot_data(*f), std::as_const(slow_).slot_data(slot),
+                    layout_.block_bytes());
+      } else {
+        std::memcpy(fast_.slot_data(*f), ls.tail.data(), layout_.block_bytes());
+      }
+    } else {
+      (void)ls, (void)slot;
     }
   }
 

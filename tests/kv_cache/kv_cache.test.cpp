@@ -573,3 +573,39 @@ TEST_CASE("tiered_kv_cache over a file capacity tier: appends, forks, attention 
     CHECK(cache.audit() > 0);
   }
 }
+
+TEST_CASE("tiered_kv_cache: a block created by append is staged from memory, not fetched") {
+  // Budget covering the context: lookahead stages every block, so the only blocks a step could
+  // miss are the ones its own appends create. Those are staged as they are created.
+  const kv_layout l{2, 4, 2, 16, 4, dtype::f32};
+  for (const bool behind : {false, true}) {
+    CAPTURE(behind);
+    tiered_kv_cache<file_bundle> cache(file_tier(l, 64, {.path = "/tmp", .write_behind = behind}),
+                                       host_tier(l, 32), {.budget_tokens = 64, .scale = 0.25f});
+    std::mt19937 rng(3);
+    const sequence_id a = cache.add_sequence();
+    append_random(cache, a, 8, rng);  // two full blocks
+    for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+      auto draft = random_queries(l, 1, rng);
+      cache.lookahead(a, layer, {draft.data(), nullptr, 1});
+    }
+    const cache_stats before = cache.stats();
+    const sequence_id one[1] = {a};
+    for (std::uint32_t step = 0; step < 9; ++step) {  // tokens 8..16: three new blocks
+      for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+        auto k = random_rows(l, 1, rng), v = random_rows(l, 1, rng);
+        cache.append(a, layer, k.data(), v.data(), 1);
+        auto q = random_queries(l, 1, rng);
+        std::vector<float> out(q.size());
+        cache.attend(one, layer, q.data(), 1, out.data());
+        auto draft = random_queries(l, 1, rng);
+        cache.lookahead(a, layer, {draft.data(), nullptr, 1});
+      }
+    }
+    const cache_stats after = cache.stats();
+    CHECK(after.step.misses == before.step.misses);
+    CHECK(after.step.hits > before.step.hits);
+    CHECK(after.step.bytes_fetched == before.step.bytes_fetched);
+    CHECK(cache.audit() > 0);  // the staged new blocks equal the capacity tier's
+  }
+}

@@ -179,6 +179,46 @@ TEST_CASE("all_resident never evicts") {
   CHECK(s.stats().blocks_evicted == 0);
 }
 
+TEST_CASE_TEMPLATE("stage_new: a block the caller writes is staged without a copy", S,
+                   lookahead_lru, lookahead_score, on_demand, dense) {
+  host_tier slow(small, 16), fast(small, 3);
+  stamp_all(slow);
+  cpu_copy_engine engine;
+  S s(fast, slow, engine);
+  const auto f = s.stage_new(5);
+  REQUIRE(f.has_value());
+  CHECK(s.is_ready(5));
+  CHECK(s.resident_slot(5) == f);
+  std::memset(fast.slot_data(*f), 0x5a, small.block_bytes());  // the caller's content
+  std::vector<slot_id> out(1);
+  const acquire_stats st = s.acquire(ids({5}), out);
+  CHECK(st.hits == 1);
+  CHECK(st.misses == 0);
+  CHECK(out[0] == *f);
+  CHECK(fast.slot_data(*f)[7] == std::byte{0x5a});  // served as written, nothing fetched
+  CHECK(engine.stats().blocks == 0);
+  expect_error([&] { (void)s.stage_new(5); }, errc::invalid_argument,
+               "capacity slot 5 is already staged (fast slot");
+  expect_error([&] { (void)s.stage_new(16); }, errc::invalid_slot, "capacity slot 16");
+  // A full fast tier: a ready, unpinned block makes room, except under all_resident; a pinned
+  // one never does.
+  std::vector<slot_id> two(2);
+  s.acquire(ids({1, 2}), two);  // with 5 still pinned, every slot is pinned
+  CHECK(s.stage_new(9) == std::nullopt);
+  s.release(out);  // 5 may go now
+  const auto g = s.stage_new(9);
+  if constexpr (S::mode == prefetch_mode::all_resident) {
+    CHECK(g == std::nullopt);
+    CHECK(s.stats().blocks_evicted == 0);
+  } else {
+    REQUIRE(g.has_value());
+    CHECK(s.resident_slot(5) == std::nullopt);  // least recently used of the unpinned
+    CHECK(s.stats().blocks_evicted == 1);
+  }
+  s.release(two);
+  s.check_invariants();
+}
+
 TEST_CASE("skip_on_miss leaves unstaged blocks out and counts them") {
   host_tier slow(small, 16), fast(small, 4);
   stamp_all(slow);

@@ -247,6 +247,34 @@ class staging_scheduler {
     }
   }
 
+  //! @brief Stages capacity block `x` without a copy, for a caller that writes the block's whole
+  //! content into the returned fast slot itself: a block it has just created, whose bytes it
+  //! holds. The slot is ready at once. When no slot is free, one ready and unpinned block is
+  //! evicted (not with `all_resident`); returns `std::nullopt`, staging nothing, when none can
+  //! be. Throws `errc::invalid_argument` if `x` is already staged.
+  std::optional<slot_id> stage_new(slot_id x) {
+    check_source(x);
+    if (where_[x] != null_slot) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "staging_scheduler::stage_new: capacity slot ", x,
+                    " is already staged (fast slot ", where_[x], ")");
+    }
+    poll();
+    const std::uint64_t mark = ++mark_;
+    auto s = allocator_.allocate();
+    if (!s && Mode != prefetch_mode::all_resident) {
+      if (auto v = eviction_.victim([&](slot_id c) { return evictable(c, mark); })) {
+        evict(*v);
+        s = allocator_.allocate();
+      }
+    }
+    if (!s) {
+      return std::nullopt;
+    }
+    place(x, *s, mark);
+    slots_[*s].st = state::ready;
+    return s;
+  }
+
   std::size_t resident_blocks() const noexcept { return resident_; }
   const scheduler_stats& stats() const noexcept { return stats_; }
   //! @brief The fast slot holding capacity slot `x`, if staged or in flight (no waiting).
