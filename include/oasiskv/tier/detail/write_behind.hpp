@@ -115,6 +115,12 @@ class write_behind {
           message = it->second.reason;
         }
         ++it;
+      } catch (...) {
+        it->second.reason = "unknown exception";
+        if (still++ == 0) {
+          message = it->second.reason;
+        }
+        ++it;
       }
     }
     if (still > 0) {
@@ -190,7 +196,7 @@ class write_behind {
       std::vector<std::string> reasons;
       try {
         write_(batch);
-      } catch (const std::exception&) {
+      } catch (...) {
         // Which writes failed: try each on its own, so the others complete.
         for (std::size_t i = 0; i < batch.size(); ++i) {
           try {
@@ -198,6 +204,9 @@ class write_behind {
           } catch (const std::exception& e) {
             failed_at.push_back(i);
             reasons.emplace_back(e.what());
+          } catch (...) {
+            failed_at.push_back(i);
+            reasons.emplace_back("unknown exception");
           }
         }
       }
