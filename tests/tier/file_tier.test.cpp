@@ -213,6 +213,11 @@ TEST_CASE("file_tier: 100k randomized block reads and writes against an in-memor
                    .queue_depth = 16,
                    .write_behind = behind});
       CHECK(t.write_behind() == behind);
+      if (behind) {
+        WARN_MESSAGE(t.background_writer(), "the system refused SCHED_IDLE for the writer");
+      } else {
+        CHECK_FALSE(t.background_writer());
+      }
       const std::size_t bb = odd.block_bytes();
       std::vector<std::byte> model(n * bb, std::byte{0});  // unwritten slots read as zeros
       test_buffers buf(32, bb, 0);
@@ -273,7 +278,8 @@ TEST_CASE("file_tier: concurrent readers and writers on distinct slots") {
                   {.path = dir.path.string(),
                    .backend = backend,
                    .queue_depth = 8,
-                   .write_behind = behind});
+                   .write_behind = behind,
+                   .background_writer = false});  // the randomized test runs it at SCHED_IDLE
       const std::size_t bb = odd.block_bytes();
       std::vector<std::thread> pool;
       std::vector<int> bad(threads, 0);

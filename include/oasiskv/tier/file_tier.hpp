@@ -67,6 +67,11 @@ struct file_tier_options {
   //! of a failed write is kept, and read back, until a later write or `flush` succeeds. Off: a
   //! write returns when the device has the block, and a device error is that write's.
   bool write_behind = false;
+  //! With `write_behind`: the writer thread runs at SCHED_IDLE, so waking it never takes a core
+  //! from a running thread (a decode step); it runs on cores nothing else wants. On a machine
+  //! whose cores are all busy, writes then wait for room more often (`queue_depth`). False: the
+  //! writer competes as a normal thread.
+  bool background_writer = true;
 };
 
 // The class's layout and code differ with OASISKV_WITH_LIBURING; a distinct inline namespace per
@@ -128,7 +133,7 @@ class file_tier {
       state* st = state_.get();  // stable: the tier may move, its state does not
       state_->behind = std::make_unique<detail::write_behind>(
           layout_.block_bytes(), slot_bytes_, options.queue_depth,
-          [st](std::span<const block_write> w) { device_run(*st, w); });
+          [st](std::span<const block_write> w) { device_run(*st, w); }, options.background_writer);
     }
   }
 
@@ -156,6 +161,11 @@ class file_tier {
   int native_handle() const noexcept { return state_->geo.fd; }
   //! @brief Whether writes return before the device has their blocks (`write_behind`).
   bool write_behind() const noexcept { return state_->behind != nullptr; }
+  //! @brief Whether the write-behind writer runs at SCHED_IDLE (`background_writer`, where the
+  //! system allows it).
+  bool background_writer() const noexcept {
+    return state_->behind != nullptr && state_->behind->background();
+  }
   //! @brief Blocks written (with `write_behind`) that are not on the device yet.
   std::size_t pending_writes() const { return state_->behind ? state_->behind->pending() : 0; }
   //! @brief Slots (with `write_behind`) whose write the device refused: their content is held

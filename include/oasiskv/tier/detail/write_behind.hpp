@@ -4,6 +4,9 @@
 //! is not on the device yet are served from that copy. Not part of the public API.
 #pragma once
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -34,11 +37,20 @@ class write_behind {
   //! Writes a batch to the device synchronously; throws on the first failure.
   using device_writer = std::function<void(std::span<const block_write>)>;
 
+  //! `background`: the writer runs at SCHED_IDLE, on cores no other thread wants.
   write_behind(std::size_t block_bytes, std::size_t stride, std::uint32_t capacity,
-               device_writer write)
+               device_writer write, bool background)
       : block_bytes_(block_bytes), stride_(stride), capacity_(capacity), write_(std::move(write)) {
     writer_ = std::thread([this] { run(); });
+    if (background) {
+      // Best effort: where the system refuses, the writer keeps the normal class.
+      sched_param p{};
+      background_ = ::pthread_setschedparam(writer_.native_handle(), SCHED_IDLE, &p) == 0;
+    }
   }
+
+  //! Whether the writer runs at SCHED_IDLE.
+  bool background() const noexcept { return background_; }
   write_behind(const write_behind&) = delete;
   write_behind& operator=(const write_behind&) = delete;
 
@@ -249,6 +261,7 @@ class write_behind {
   std::vector<std::unique_ptr<copy>> spare_;     // reused buffers
   std::size_t pending_ = 0;                      // queued + in flight
   bool stopping_ = false;
+  bool background_ = false;
   std::thread writer_;  // last: starts after every member it uses is constructed
 };
 
