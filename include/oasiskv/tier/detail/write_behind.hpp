@@ -118,22 +118,16 @@ class write_behind {
     std::size_t still = 0;
     for (auto it = failed_.begin(); it != failed_.end();) {
       const block_write w{it->first, it->second.held->data.ensure(stride_)};
-      try {
-        write_(std::span<const block_write>(&w, 1));
+      std::string reason = attempt(w);
+      if (reason.empty()) {
         it = failed_.erase(it);
-      } catch (const std::exception& e) {
-        it->second.reason = e.what();
-        if (still++ == 0) {
-          message = it->second.reason;
-        }
-        ++it;
-      } catch (...) {
-        it->second.reason = "unknown exception";
-        if (still++ == 0) {
-          message = it->second.reason;
-        }
-        ++it;
+        continue;
       }
+      it->second.reason = std::move(reason);
+      if (still++ == 0) {
+        message = it->second.reason;
+      }
+      ++it;
     }
     if (still > 0) {
       raise(errc::io_error, "file_tier::flush: ", still,
@@ -161,6 +155,18 @@ class write_behind {
     std::unique_ptr<copy> held;
     std::string reason;
   };
+
+  // Writes one block; returns why it failed, or nothing.
+  std::string attempt(const block_write& w) const {
+    try {
+      write_(std::span<const block_write>(&w, 1));
+      return {};
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return "unknown exception";
+    }
+  }
 
   // Called with the lock held.
   const std::byte* newest(slot_id s) const {
@@ -211,14 +217,9 @@ class write_behind {
       } catch (...) {
         // Which writes failed: try each on its own, so the others complete.
         for (std::size_t i = 0; i < batch.size(); ++i) {
-          try {
-            write_(std::span<const block_write>(&batch[i], 1));
-          } catch (const std::exception& e) {
+          if (std::string reason = attempt(batch[i]); !reason.empty()) {
             failed_at.push_back(i);
-            reasons.emplace_back(e.what());
-          } catch (...) {
-            failed_at.push_back(i);
-            reasons.emplace_back("unknown exception");
+            reasons.push_back(std::move(reason));
           }
         }
       }
