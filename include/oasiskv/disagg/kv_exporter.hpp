@@ -195,17 +195,23 @@ class kv_exporter {
 
   void progress_loop() {
     // Over tcp and shared memory a get is served in software by this worker: it must progress
-    // all the time. Spin while there is traffic, nap briefly when idle (2 shared cores).
+    // all the time. Spin while there is traffic, nap briefly when idle (2 shared cores), and
+    // longer once idle for a while: each idle pass costs tens of microseconds of polling, so
+    // 50 us naps kept an idle exporter at a third of a core. The first get after a long idle
+    // spell waits up to one long nap.
     auto last_active = steady::now();
     while (!stop_.load(std::memory_order_relaxed)) {
       if (ucp_worker_progress(worker_.get()) != 0) {
         last_active = steady::now();
         continue;
       }
-      if (steady::now() - last_active < std::chrono::milliseconds(2)) {
+      const auto idle = steady::now() - last_active;
+      if (idle < std::chrono::milliseconds(2)) {
         std::this_thread::yield();
-      } else {
+      } else if (idle < std::chrono::milliseconds(100)) {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
       }
     }
   }
