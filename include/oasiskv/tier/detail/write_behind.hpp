@@ -49,8 +49,6 @@ class write_behind {
     }
   }
 
-  //! Whether the writer runs at SCHED_IDLE.
-  bool background() const noexcept { return background_; }
   write_behind(const write_behind&) = delete;
   write_behind& operator=(const write_behind&) = delete;
 
@@ -135,6 +133,8 @@ class write_behind {
     }
   }
 
+  //! Whether the writer runs at SCHED_IDLE.
+  bool background() const noexcept { return background_; }
   //! Copies queued or being written.
   std::size_t pending() const {
     std::lock_guard lock(mutex_);
