@@ -112,14 +112,7 @@ class staging_scheduler {
           eviction_.touch(where_[x], step_);
           continue;
         }
-        auto s = allocator_.allocate();
-        if (!s && evictions < cap) {
-          if (auto v = eviction_.victim([&](slot_id c) { return evictable(c, mark); })) {
-            evict(*v);
-            ++evictions;
-            s = allocator_.allocate();
-          }
-        }
+        const auto s = take_slot(mark, evictions < cap, &evictions);
         if (!s) {
           break;  // no room now: the rest become misses if the step needs them
         }
@@ -170,13 +163,7 @@ class staging_scheduler {
         ++st.dropped;
         continue;
       }
-      auto s = allocator_.allocate();
-      if (!s && Mode != prefetch_mode::all_resident) {
-        if (auto v = eviction_.victim([&](slot_id c) { return evictable(c, mark); })) {
-          evict(*v);
-          s = allocator_.allocate();
-        }
-      }
+      const auto s = take_slot(mark, Mode != prefetch_mode::all_resident);
       if (!s) [[unlikely]] {
         abandon_copies();
         detail::raise(errc::capacity_exceeded, "staging_scheduler::acquire: the fast tier's ",
@@ -260,13 +247,7 @@ class staging_scheduler {
     }
     poll();
     const std::uint64_t mark = ++mark_;
-    auto s = allocator_.allocate();
-    if (!s && Mode != prefetch_mode::all_resident) {
-      if (auto v = eviction_.victim([&](slot_id c) { return evictable(c, mark); })) {
-        evict(*v);
-        s = allocator_.allocate();
-      }
-    }
+    const auto s = take_slot(mark, Mode != prefetch_mode::all_resident);
     if (!s) {
       return std::nullopt;
     }
@@ -342,6 +323,23 @@ class staging_scheduler {
     for (slot_id x : xs) {
       check_source(x);
     }
+  }
+
+  // A free fast slot, else, when `may_evict`, the slot of the coldest block that may go now
+  // (counted in `*evicted`); nullopt when neither.
+  std::optional<slot_id> take_slot(std::uint64_t mark, bool may_evict,
+                                   std::uint32_t* evicted = nullptr) {
+    auto s = allocator_.allocate();
+    if (!s && may_evict) {
+      if (auto v = eviction_.victim([&](slot_id c) { return evictable(c, mark); })) {
+        evict(*v);
+        if (evicted != nullptr) {
+          ++*evicted;
+        }
+        s = allocator_.allocate();
+      }
+    }
+    return s;
   }
 
   bool evictable(slot_id s, std::uint64_t mark) const {
