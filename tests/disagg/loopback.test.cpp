@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -117,6 +118,35 @@ TEST_CASE("two processes: concurrent batches from several threads") {
   }
   CHECK(bad == 0);
   CHECK(engine.stats().batches == 20);
+}
+
+TEST_CASE("an idle exporter sleeps on its worker's events and wakes for each get") {
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  eo.busy_poll = std::chrono::microseconds(0);  // sleep as soon as nothing is pending
+  kv_exporter ex(layout, 64, eo);
+  disagg_test::publish_pattern(ex, 1, 100);
+  ucx_engine engine(relaxed());
+  ucx_remote_tier tier(engine, client(ex.port()));
+  const opened_msg o = tier.open(1);
+  host_tier local(layout, 64);
+  // Idle: the thread sleeps until the stop-check timeout (20 ms), it does not spin.
+  const exporter_stats before_idle = ex.stats();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const exporter_stats idle = ex.stats();
+  CHECK(idle.progress_sleeps - before_idle.progress_sleeps <= 20);
+  constexpr int rounds = 8;
+  const std::uint64_t sleeps_before = ex.stats().progress_sleeps;
+  for (int r = 0; r < rounds; ++r) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the exporter is asleep now
+    CHECK(fetch_and_check(engine, tier, local, o, 0) == 0);
+  }
+  const exporter_stats st = ex.stats();
+  CHECK(st.progress_sleeps - sleeps_before >= rounds);
+  // Each round's gets find the exporter asleep and must wake it; a worker whose descriptor
+  // never signalled would serve them only at the stop-check timeout, waking no sleep.
+  CHECK(st.progress_wakeups - idle.progress_wakeups >= rounds / 2);
+  CHECK(engine.stats().failed_batches == 0);
 }
 
 TEST_CASE("a decode node without the exporter's token is refused") {

@@ -39,11 +39,18 @@ struct exporter_options {
   std::chrono::milliseconds lease{30000};  //!< a lease lapses unless extended by heartbeats
   std::uint32_t max_connections = 64;
   std::chrono::milliseconds io_timeout{1000};  //!< a stalled peer cannot hold the loop longer
+  //! How long the progress thread keeps polling UCX after its last event before it sleeps on
+  //! the worker's event descriptor: longer answers a burst of gets sooner, shorter leaves the
+  //! prefill node's cores to prefill.
+  std::chrono::microseconds busy_poll{2000};
 };
 
 struct exporter_stats {
   std::uint64_t opens = 0, releases = 0, leases_expired = 0, refused = 0, bad_messages = 0;
   std::uint64_t freed_requests = 0;
+  //! Sleeps of the progress thread on the worker's event descriptor, and how many of them UCX
+  //! ended (a get or message arrived) rather than the stop-check timeout.
+  std::uint64_t progress_sleeps = 0, progress_wakeups = 0;
 };
 
 //! @brief The exporter of one prefill process. Thread-safe: prefill calls `allocate`, `publish`
@@ -56,11 +63,13 @@ class kv_exporter {
         slots_(num_slots),
         gen_table_(num_slots),
         generations_(gen_table_.data),
+        context_(true),
         worker_(context_),
         arena_reg_(context_, arena_.slot_data(0), arena_.bytes()),
         gen_reg_(context_, generations_, std::size_t{num_slots} * 8),
         worker_address_(worker_.address()) {
     listen_ = listen_tcp(options_.address, options_.port, port_);
+    event_fd_ = worker_.event_fd();
     progress_ = std::thread([this] { progress_loop(); });
     control_ = std::thread([this] { control_loop(); });
   }
@@ -80,7 +89,10 @@ class kv_exporter {
   }
   exporter_stats stats() const {
     std::lock_guard lock(mutex_);
-    return stats_;
+    exporter_stats s = stats_;
+    s.progress_sleeps = sleeps_.load(std::memory_order_relaxed);
+    s.progress_wakeups = wakeups_.load(std::memory_order_relaxed);
+    return s;
   }
   bool holds(std::uint64_t seq) const {
     std::lock_guard lock(mutex_);
@@ -194,24 +206,34 @@ class kv_exporter {
   }
 
   void progress_loop() {
-    // Over tcp and shared memory a get is served in software by this worker: it must progress
-    // all the time. Spin while there is traffic, nap briefly when idle (2 shared cores), and
-    // longer once idle for a while: each idle pass costs tens of microseconds of polling, so
-    // 50 us naps kept an idle exporter at a third of a core. The first get after a long idle
-    // spell waits up to one long nap.
+    // Over tcp and shared memory a get is served in software by this worker, so it must be
+    // progressed whenever a get arrives. It polls while there is traffic and for `busy_poll`
+    // after it, then sleeps on the worker's event descriptor until UCX signals the next one
+    // (armed first, which UCX refuses while events are pending). The poll's timeout only
+    // bounds how late the destructor's stop is seen. Idle, the thread costs nothing; the
+    // first get after an idle spell pays one wake-up.
     auto last_active = steady::now();
     while (!stop_.load(std::memory_order_relaxed)) {
       if (ucp_worker_progress(worker_.get()) != 0) {
         last_active = steady::now();
         continue;
       }
-      const auto idle = steady::now() - last_active;
-      if (idle < std::chrono::milliseconds(2)) {
+      if (steady::now() - last_active < options_.busy_poll) {
         std::this_thread::yield();
-      } else if (idle < std::chrono::milliseconds(100)) {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(500));
+        continue;
+      }
+      const ucs_status_t armed = ucp_worker_arm(worker_.get());
+      if (armed == UCS_ERR_BUSY) {
+        continue;  // events arrived since the progress: serve them first
+      }
+      if (armed != UCS_OK) [[unlikely]] {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));  // cannot sleep on it: poll
+        continue;
+      }
+      pollfd p{event_fd_, POLLIN, 0};
+      sleeps_.fetch_add(1, std::memory_order_relaxed);
+      if (::poll(&p, 1, 20) > 0) {
+        wakeups_.fetch_add(1, std::memory_order_relaxed);
       }
     }
   }
@@ -402,6 +424,7 @@ class kv_exporter {
   ucx_registration arena_reg_;
   ucx_registration gen_reg_;
   std::vector<std::byte> worker_address_;
+  int event_fd_ = -1;  // the worker's; owned by UCX
   fd_handle listen_;
   std::uint16_t port_ = 0;
   mutable std::mutex mutex_;
@@ -409,6 +432,7 @@ class kv_exporter {
   exporter_stats stats_{};
   std::atomic<std::uint64_t> next_session_{1};
   std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> sleeps_{0}, wakeups_{0};  // the progress thread's
   std::thread progress_;
   std::thread control_;
 };

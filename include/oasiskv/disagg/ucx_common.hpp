@@ -24,15 +24,16 @@ inline void ucx_check(ucs_status_t s, const char* what) {
 }
 }  // namespace detail
 
-//! @brief A UCP context with the RMA feature. Move-only.
+//! @brief A UCP context with the RMA feature, and with the wake-up feature when `wakeup` (a
+//! worker of it can then sleep on its event descriptor, see `ucx_worker::arm`). Move-only.
 class ucx_context {
  public:
-  ucx_context() {
+  explicit ucx_context(bool wakeup = false) {
     ucp_config_t* config = nullptr;
     detail::ucx_check(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_RMA;
+    params.features = UCP_FEATURE_RMA | (wakeup ? UCP_FEATURE_WAKEUP : 0);
     const ucs_status_t s = ucp_init(&params, config, &context_);
     ucp_config_release(config);
     detail::ucx_check(s, "ucp_init");
@@ -68,6 +69,14 @@ class ucx_worker {
     }
   }
   ucp_worker_h get() const noexcept { return worker_; }
+
+  //! @brief The descriptor that becomes readable when a worker armed by `ucp_worker_arm` has
+  //! events (its context needs the wake-up feature). Owned by the worker.
+  int event_fd() const {
+    int fd = -1;
+    detail::ucx_check(ucp_worker_get_efd(worker_, &fd), "ucp_worker_get_efd");
+    return fd;
+  }
 
   //! @brief The worker's address, which a peer needs to create an endpoint to it.
   std::vector<std::byte> address() const {
