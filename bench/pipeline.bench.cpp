@@ -184,6 +184,9 @@ void run_decode_steps(benchmark::State& state, Cache* cache, sequence_id seq, kv
   state.counters["stall_ms_per_step"] =
       (after.step.stall_seconds - before.step.stall_seconds) / n * 1e3;
   state.counters["lookahead_ms_per_step"] = lookahead_seconds / n * 1e3;
+  // The part of it the predictor target counts: scoring every block and the top-k.
+  state.counters["predict_ms_per_step"] =
+      (after.predict_seconds - before.predict_seconds) / n * 1e3;
   state.counters["fast_MiB"] = static_cast<double>(fast_slots) * layout.block_bytes() / (1 << 20);
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -1068,7 +1069,10 @@ class tiered_kv_cache {
       in.key_slots = ls.blocks;
     }
     const selection_params sp{budget_blocks(), options_.sink_blocks, options_.recent_blocks};
+    const auto start = std::chrono::steady_clock::now();
     predictor_.select(in, sp, out);
+    stats_.predict_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
   // Unique capacity slots of the selection, plus the always-kept window of the current length.

@@ -28,6 +28,9 @@ struct cache_stats {
   std::uint64_t lookaheads = 0;       //!< lookahead calls that predicted
   std::uint64_t unpredicted = 0;      //!< steps that found no lookahead and predicted late
   std::uint64_t selected_blocks = 0;  //!< blocks attended over all steps and tables
+  //! Time in the predictor's `select`: every block scored from its summary, and the top-k
+  //! (by `lookahead`, and by `attend` when it predicts at attention time).
+  double predict_seconds = 0.0;
   acquire_stats step{};
   std::uint64_t bytes_prefetched = 0;
   std::uint64_t bytes_evicted = 0;

@@ -130,6 +130,7 @@ TEST_CASE_TEMPLATE("tiered_kv_cache: a budget covering the context equals dense 
   const cache_stats st = cache.stats();
   CHECK(st.sequence_steps == 2 * 6 * tiny.num_layers);
   CHECK(st.unpredicted == 0);
+  CHECK(st.predict_seconds > 0.0);  // every step predicted, ahead or at attention
   if constexpr (std::is_same_v<B, all_on_demand>) {
     CHECK(st.bytes_prefetched == 0);
   } else {
