@@ -217,7 +217,7 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
   auto emit = [&](int tok) {
     if (stop)
       return;
-    if (m_.tok->is_end(tok)) {
+    if (!o_.ignore_eos && m_.tok->is_end(tok)) {
       stop = true;
       return;
     }

@@ -28,6 +28,7 @@ struct decoder_options {
   float top_p = 1.0f;
   std::uint64_t seed = 42;
   std::uint32_t max_tokens = 256;  // tokens to generate
+  bool ignore_eos = false;         // generate past the end token (speed runs of equal length)
   std::uint32_t context = 0;       // 0: the model's context length
   float rope_scale = 1.0f;
   unsigned attention_threads = 1;
@@ -53,7 +54,8 @@ class decoder {
  public:
   decoder(const model& m, decoder_options o);
   //! Generates after `prompt` (token ids, BOS included if the model wants one). `on_token` sees
-  //! each committed token; returning false stops. Returns the generated tokens (no end token).
+  //! each committed token; returning false stops. Returns the generated tokens (no end token,
+  //! unless `ignore_eos`: then end tokens are kept and generation goes on).
   std::vector<int> generate(const std::vector<int>& prompt,
                             const std::function<bool(int)>& on_token = {});
   const generation_report& report() const { return report_; }

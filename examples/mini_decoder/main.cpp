@@ -181,6 +181,8 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-file", cli.prompt_file, "file holding the prompt");
   app.add_flag("--chat", cli.chat, "wrap the prompt in the model's ChatML template");
   app.add_option("--max-tokens", d.max_tokens, "tokens to generate")->capture_default_str();
+  app.add_flag("--ignore-eos", d.ignore_eos,
+               "keep generating past the end token (equal-length runs for speed comparisons)");
   app.add_option("--mode", cli.mode, "dense|oasis|quest|recency|on-demand")->capture_default_str();
   app.add_option("--budget", d.budget_tokens, "tokens attended per layer and step")
       ->capture_default_str();

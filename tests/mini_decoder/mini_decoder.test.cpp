@@ -2,6 +2,7 @@
 // when the budget covers the context, and clear errors on bad input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -101,6 +102,23 @@ TEST_CASE("greedy speculative decoding equals greedy decoding (dense, both draft
       CHECK(d.report().rounds < plain.size());  // some drafts were accepted
     }
   }
+}
+
+TEST_CASE("ignore_eos generates past the end token, the same tokens up to it") {
+  const model& m = stories_model();
+  const auto prompt = m.tok->encode("Once upon a time", true);
+  decoder_options o;
+  o.max_tokens = 500;
+  const auto plain = run(m, prompt, o);
+  REQUIRE(plain.size() < o.max_tokens);  // this story ends by itself
+  o.ignore_eos = true;
+  const auto all = run(m, prompt, o);
+  CHECK(all.size() == o.max_tokens);
+  REQUIRE(all.size() > plain.size());
+  CHECK(std::equal(plain.begin(), plain.end(), all.begin()));
+  CHECK(m.tok->is_end(all[plain.size()]));  // where the plain run stopped
+  o.draft = draft_kind::ngram;              // drafts may cross the end token too
+  CHECK(run(m, prompt, o) == all);
 }
 
 TEST_CASE("sampled speculative decoding equals sampled decoding (same seed)") {
