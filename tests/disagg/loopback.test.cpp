@@ -149,6 +149,26 @@ TEST_CASE("an idle exporter sleeps on its worker's events and wakes for each get
   CHECK(engine.stats().failed_batches == 0);
 }
 
+TEST_CASE("an exporter without the wake-up feature naps when idle and still serves gets") {
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  eo.busy_poll = std::chrono::microseconds(0);
+  eo.wakeup = false;  // for transports that cannot wake a worker
+  kv_exporter ex(layout, 64, eo);
+  disagg_test::publish_pattern(ex, 1, 100);
+  ucx_engine engine(relaxed());
+  ucx_remote_tier tier(engine, client(ex.port()));
+  const opened_msg o = tier.open(1);
+  host_tier local(layout, 64);
+  for (int r = 0; r < 4; ++r) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    CHECK(fetch_and_check(engine, tier, local, o, 0) == 0);
+  }
+  CHECK(ex.stats().progress_sleeps > 0);
+  CHECK(ex.stats().progress_wakeups == 0);  // naps end by themselves
+  CHECK(engine.stats().failed_batches == 0);
+}
+
 TEST_CASE("a decode node without the exporter's token is refused") {
   exporter_options eo;
   eo.token = disagg_test::token();

@@ -43,13 +43,18 @@ struct exporter_options {
   //! the worker's event descriptor: longer answers a burst of gets sooner, shorter leaves the
   //! prefill node's cores to prefill.
   std::chrono::microseconds busy_poll{2000};
+  //! Create the UCX context with `UCP_FEATURE_WAKEUP` and sleep on the worker's event
+  //! descriptor when idle. UCX leaves out transports that cannot wake a worker (e.g. SRD): set
+  //! false on such fabrics, and the idle thread naps 500 us at a time instead.
+  bool wakeup = true;
 };
 
 struct exporter_stats {
   std::uint64_t opens = 0, releases = 0, leases_expired = 0, refused = 0, bad_messages = 0;
   std::uint64_t freed_requests = 0;
-  //! Sleeps of the progress thread on the worker's event descriptor, and how many of them UCX
-  //! ended (a get or message arrived) rather than the stop-check timeout.
+  //! Sleeps of the progress thread when idle (on the worker's event descriptor, or naps without
+  //! `exporter_options::wakeup`), and how many of them UCX ended (a get or message arrived)
+  //! rather than the stop-check timeout.
   std::uint64_t progress_sleeps = 0, progress_wakeups = 0;
 };
 
@@ -63,13 +68,15 @@ class kv_exporter {
         slots_(num_slots),
         gen_table_(num_slots),
         generations_(gen_table_.data),
-        context_(true),
+        context_(options_.wakeup),
         worker_(context_),
         arena_reg_(context_, arena_.slot_data(0), arena_.bytes()),
         gen_reg_(context_, generations_, std::size_t{num_slots} * 8),
         worker_address_(worker_.address()) {
     listen_ = listen_tcp(options_.address, options_.port, port_);
-    event_fd_ = worker_.event_fd();
+    if (options_.wakeup) {
+      event_fd_ = worker_.event_fd();
+    }
     progress_ = std::thread([this] { progress_loop(); });
     control_ = std::thread([this] { control_loop(); });
   }
@@ -211,7 +218,7 @@ class kv_exporter {
     // after it, then sleeps on the worker's event descriptor until UCX signals the next one
     // (armed first, which UCX refuses while events are pending). The poll's timeout only
     // bounds how late the destructor's stop is seen. Idle, the thread costs nothing; the
-    // first get after an idle spell pays one wake-up.
+    // first get after an idle spell pays one wake-up. Without the wake-up feature it naps.
     auto last_active = steady::now();
     while (!stop_.load(std::memory_order_relaxed)) {
       if (ucp_worker_progress(worker_.get()) != 0) {
@@ -220,6 +227,11 @@ class kv_exporter {
       }
       if (steady::now() - last_active < options_.busy_poll) {
         std::this_thread::yield();
+        continue;
+      }
+      if (event_fd_ < 0) {
+        sleeps_.fetch_add(1, std::memory_order_relaxed);
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
         continue;
       }
       const ucs_status_t armed = ucp_worker_arm(worker_.get());
