@@ -120,53 +120,65 @@ TEST_CASE("two processes: concurrent batches from several threads") {
   CHECK(engine.stats().batches == 20);
 }
 
+namespace {
+
+// An in-process exporter of request 1 whose progress thread sleeps as soon as nothing is
+// pending, and a decode side that reads the request after pauses.
+struct paused_reader {
+  static exporter_options options(bool wakeup) {
+    exporter_options eo;
+    eo.token = disagg_test::token();
+    eo.busy_poll = std::chrono::microseconds(0);
+    eo.wakeup = wakeup;
+    return eo;
+  }
+  explicit paused_reader(bool wakeup)
+      : ex(layout, 64, options(wakeup)), engine(relaxed()), tier(engine, client(ex.port())) {
+    disagg_test::publish_pattern(ex, 1, 100);
+    o = tier.open(1);
+  }
+  // Reads the whole request `rounds` times, 5 ms apart (the exporter asleep each time); the
+  // blocks that differ from the source.
+  std::size_t read_after_pauses(int rounds) {
+    std::size_t bad = 0;
+    for (int r = 0; r < rounds; ++r) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      bad += fetch_and_check(engine, tier, local, o, 0);
+    }
+    return bad;
+  }
+  kv_exporter ex;
+  ucx_engine engine;
+  ucx_remote_tier tier;
+  opened_msg o;
+  host_tier local{layout, 64};
+};
+
+}  // namespace
+
 TEST_CASE("an idle exporter sleeps on its worker's events and wakes for each get") {
-  exporter_options eo;
-  eo.token = disagg_test::token();
-  eo.busy_poll = std::chrono::microseconds(0);  // sleep as soon as nothing is pending
-  kv_exporter ex(layout, 64, eo);
-  disagg_test::publish_pattern(ex, 1, 100);
-  ucx_engine engine(relaxed());
-  ucx_remote_tier tier(engine, client(ex.port()));
-  const opened_msg o = tier.open(1);
-  host_tier local(layout, 64);
+  paused_reader p(true);
   // Idle: the thread sleeps until the stop-check timeout (20 ms), it does not spin.
-  const exporter_stats before_idle = ex.stats();
+  const exporter_stats before_idle = p.ex.stats();
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  const exporter_stats idle = ex.stats();
+  const exporter_stats idle = p.ex.stats();
   CHECK(idle.progress_sleeps - before_idle.progress_sleeps <= 20);
   constexpr int rounds = 8;
-  const std::uint64_t sleeps_before = ex.stats().progress_sleeps;
-  for (int r = 0; r < rounds; ++r) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the exporter is asleep now
-    CHECK(fetch_and_check(engine, tier, local, o, 0) == 0);
-  }
-  const exporter_stats st = ex.stats();
-  CHECK(st.progress_sleeps - sleeps_before >= rounds);
+  CHECK(p.read_after_pauses(rounds) == 0);
+  const exporter_stats st = p.ex.stats();
+  CHECK(st.progress_sleeps - idle.progress_sleeps >= rounds);
   // Each round's gets find the exporter asleep and must wake it; a worker whose descriptor
   // never signalled would serve them only at the stop-check timeout, waking no sleep.
   CHECK(st.progress_wakeups - idle.progress_wakeups >= rounds / 2);
-  CHECK(engine.stats().failed_batches == 0);
+  CHECK(p.engine.stats().failed_batches == 0);
 }
 
 TEST_CASE("an exporter without the wake-up feature naps when idle and still serves gets") {
-  exporter_options eo;
-  eo.token = disagg_test::token();
-  eo.busy_poll = std::chrono::microseconds(0);
-  eo.wakeup = false;  // for transports that cannot wake a worker
-  kv_exporter ex(layout, 64, eo);
-  disagg_test::publish_pattern(ex, 1, 100);
-  ucx_engine engine(relaxed());
-  ucx_remote_tier tier(engine, client(ex.port()));
-  const opened_msg o = tier.open(1);
-  host_tier local(layout, 64);
-  for (int r = 0; r < 4; ++r) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    CHECK(fetch_and_check(engine, tier, local, o, 0) == 0);
-  }
-  CHECK(ex.stats().progress_sleeps > 0);
-  CHECK(ex.stats().progress_wakeups == 0);  // naps end by themselves
-  CHECK(engine.stats().failed_batches == 0);
+  paused_reader p(false);  // for transports that cannot wake a worker
+  CHECK(p.read_after_pauses(4) == 0);
+  CHECK(p.ex.stats().progress_sleeps > 0);
+  CHECK(p.ex.stats().progress_wakeups == 0);  // naps end by themselves
+  CHECK(p.engine.stats().failed_batches == 0);
 }
 
 TEST_CASE("a decode node without the exporter's token is refused") {
