@@ -25,7 +25,7 @@ inline void ucx_check(ucs_status_t s, const char* what) {
 }  // namespace detail
 
 //! @brief A UCP context with the RMA feature, and with the wake-up feature when `wakeup` (a
-//! worker of it can then sleep on its event descriptor, see `ucx_worker::arm`). Move-only.
+//! worker of it can then sleep on its event descriptor, `ucx_worker::event_fd`). Move-only.
 class ucx_context {
  public:
   explicit ucx_context(bool wakeup = false) {
