@@ -132,8 +132,8 @@ struct paused_reader {
     eo.wakeup = wakeup;
     return eo;
   }
-  explicit paused_reader(bool wakeup)
-      : ex(layout, 64, options(wakeup)), engine(relaxed()), tier(engine, client(ex.port())) {
+  explicit paused_reader(bool wakeup, ucx_engine_options engine_options = relaxed())
+      : ex(layout, 64, options(wakeup)), engine(engine_options), tier(engine, client(ex.port())) {
     disagg_test::publish_pattern(ex, 1, 100);
     o = tier.open(1);
   }
@@ -179,6 +179,24 @@ TEST_CASE("an exporter without the wake-up feature naps when idle and still serv
   CHECK(p.ex.stats().progress_sleeps > 0);
   CHECK(p.ex.stats().progress_wakeups == 0);  // naps end by themselves
   CHECK(p.engine.stats().failed_batches == 0);
+}
+
+TEST_CASE("the engine's progress thread polls through a decode loop's pauses, then naps") {
+  for (const int poll_ms : {0, 500}) {
+    CAPTURE(poll_ms);
+    ucx_engine_options eo = relaxed();
+    eo.busy_poll = std::chrono::milliseconds(poll_ms);
+    paused_reader p(true, eo);
+    CHECK(fetch_and_check(p.engine, p.tier, p.local, p.o, 0) == 0);
+    const std::uint64_t before = p.engine.stats().idle_naps;
+    CHECK(p.read_after_pauses(4) == 0);  // 5 ms apart: a submit each, as a decode loop's layers
+    const std::uint64_t naps = p.engine.stats().idle_naps - before;
+    if (poll_ms == 0) {
+      CHECK(naps >= 4);  // every pause: nothing in flight, so it naps at once
+    } else {
+      CHECK(naps == 0);  // still polling when each submit came: no wake-up to pay
+    }
+  }
 }
 
 TEST_CASE("a decode node without the exporter's token is refused") {
