@@ -50,7 +50,7 @@ using namespace oasiskv;
 constexpr std::uint32_t context = 32768;
 constexpr std::uint32_t budget_tokens = 2048;
 // Decoded tokens a sequence has room for beyond the prompt (tiers and keys are sized for it).
-constexpr std::uint32_t decode_room = 16384;
+constexpr std::uint32_t decode_room = 24576;
 constexpr std::uint32_t max_length = context + decode_room;
 const kv_layout layout{4, 9, 3, 64, 16, dtype::f16};  // SmolLM2's attention, 4 layers
 // Fast-tier slots: three budgets per layer (the selection, what is being fetched for the next
@@ -337,10 +337,11 @@ void bm_paired(benchmark::State& state) {
 #if OASISKV_BENCH_UCX
 // The prefill node: a child process, forked before the benchmark library or any cache starts a
 // thread, that writes the 32k-token prompt of every layer (the same `kv_source` as the file
-// rows) into a `kv_exporter`'s arena, publishes it as requests 1-3 (one per scheduler: a
-// released request is freed, so each cache keeps its own for the whole run) and serves until
-// the benchmark exits (it dies with its parent).
-constexpr std::uint32_t remote_requests = 3;
+// rows) into a `kv_exporter`'s arena, publishes it as requests 1-6 (one per cache: three for
+// the schedulers' rows, three for the paired row; a released request is freed, so each cache
+// keeps its own for the whole run) and serves until the benchmark exits (it dies with its
+// parent).
+constexpr std::uint32_t remote_requests = 6;
 
 disagg::token_type bench_token() {
   disagg::token_type t{};
@@ -432,13 +433,19 @@ struct remote_bundle {
   using kernel = cpu::sparse_decode;
 };
 
-// One cache per scheduler, adopting its own request once: Google Benchmark calls a benchmark
-// function several times, and the sequence goes on from call to call (new tokens go to the
-// local tail, room for 16k tokens per layer). Kept for the process's lifetime on purpose.
+// The decode node's one engine: every cache's gets go through its progress thread, as in an
+// engine that serves all its sequences with one.
+disagg::ucx_engine& ucx() {
+  static auto* e = new disagg::ucx_engine({std::chrono::milliseconds(10000), 128});
+  return *e;
+}
+
+// A cache adopting its own request once: Google Benchmark calls a benchmark function several
+// times, and the sequence goes on from call to call (new tokens go to the local tail, with the
+// same room as the file rows). Kept for the process's lifetime on purpose.
 template <class Scheduler>
 struct remote_cache {
   using cache_type = tiered_kv_cache<remote_bundle<Scheduler>>;
-  disagg::ucx_engine engine{{std::chrono::milliseconds(10000), 128}};
   std::unique_ptr<cache_type> cache;
   std::optional<disagg::adopted_request<cache_type>> request;
   kv_source src;
@@ -449,7 +456,7 @@ struct remote_cache {
     o.token = bench_token();
     cache = std::make_unique<cache_type>(
         disagg::remote_capacity_tier<>(
-            std::make_unique<disagg::ucx_remote_tier>(engine, o),
+            std::make_unique<disagg::ucx_remote_tier>(ucx(), o),
             std::make_unique<host_tier>(layout,
                                         layout.num_layers * layout.blocks_for(decode_room))),
         host_tier(layout, fast_slots, {.prefault = true}),
@@ -458,22 +465,6 @@ struct remote_cache {
   }
 };
 
-// Each scheduler's cache (request 1, 2 or 3), shared by its row and the paired row.
-template <class Scheduler>
-remote_cache<Scheduler>& remote(std::uint64_t request, std::uint32_t fast_slots) {
-  static auto* r = new remote_cache<Scheduler>(request, fast_slots);
-  return *r;
-}
-remote_cache<lookahead_prefetcher<lru_eviction>>& ucx_la() {
-  return remote<lookahead_prefetcher<lru_eviction>>(1, budget_slots);
-}
-remote_cache<on_demand_fetcher<lru_eviction>>& ucx_od() {
-  return remote<on_demand_fetcher<lru_eviction>>(2, budget_slots);
-}
-remote_cache<all_resident>& ucx_ar() {
-  return remote<all_resident>(3, every_slot);
-}
-
 template <class Remote>
 void bm_remote_step(benchmark::State& state, Remote& r, std::uint32_t fast_slots) {
   state.counters["admitted_MiB"] = static_cast<double>(r.request->admitted_bytes()) / (1 << 20);
@@ -481,20 +472,32 @@ void bm_remote_step(benchmark::State& state, Remote& r, std::uint32_t fast_slots
 }
 
 void bm_ucx_lookahead(benchmark::State& s) {
-  bm_remote_step(s, ucx_la(), budget_slots);
+  static auto* r = new remote_cache<lookahead_prefetcher<lru_eviction>>(1, budget_slots);
+  bm_remote_step(s, *r, budget_slots);
 }
 void bm_ucx_on_demand(benchmark::State& s) {
-  bm_remote_step(s, ucx_od(), budget_slots);
+  static auto* r = new remote_cache<on_demand_fetcher<lru_eviction>>(2, budget_slots);
+  bm_remote_step(s, *r, budget_slots);
 }
 void bm_ucx_all_resident(benchmark::State& s) {
-  bm_remote_step(s, ucx_ar(), every_slot);
+  static auto* r = new remote_cache<all_resident>(3, every_slot);
+  bm_remote_step(s, *r, every_slot);
 }
 
+// The paired row's own caches (requests 4-6): they decode in lockstep, so the three sequences
+// always have the same length (the rows above leave theirs at different lengths).
+struct remote_caches {
+  remote_cache<lookahead_prefetcher<lru_eviction>> la{4, budget_slots};
+  remote_cache<on_demand_fetcher<lru_eviction>> od{5, budget_slots};
+  remote_cache<all_resident> ar{6, every_slot};
+};
+
 void bm_ucx_paired(benchmark::State& state) {
+  static auto* c = new remote_caches;
   const float drift = static_cast<float>(state.range(0)) / 100.0f;
-  decode_loop la(ucx_la().cache.get(), ucx_la().request->sequence(), ucx_la().src, drift);
-  decode_loop od(ucx_od().cache.get(), ucx_od().request->sequence(), ucx_od().src, drift);
-  decode_loop ar(ucx_ar().cache.get(), ucx_ar().request->sequence(), ucx_ar().src, drift);
+  decode_loop la(c->la.cache.get(), c->la.request->sequence(), c->la.src, drift);
+  decode_loop od(c->od.cache.get(), c->od.request->sequence(), c->od.src, drift);
+  decode_loop ar(c->ar.cache.get(), c->ar.request->sequence(), c->ar.src, drift);
   run_paired(state, la, od, ar);
 }
 #endif
@@ -535,7 +538,7 @@ BENCHMARK(bm_all_resident)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseR
 BENCHMARK(bm_all_resident_qminmax)->Arg(5)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_dense_attention)->Unit(benchmark::kMillisecond)->UseRealTime();
 // 400 iterations (1,200 steps) per call: the caches live on from call to call, and their
-// sequences have room for 16k decoded tokens.
+// sequences have room for 24k decoded tokens.
 BENCHMARK(bm_paired)
     ->Arg(5)
     ->Arg(20)
