@@ -292,13 +292,19 @@ void run_paired(benchmark::State& state, LA& la, OD& od, AR& ar) {
     }
     switch (i++ % 3) {
       case 0:
-        timed(la, t[0]), timed(od, t[1]), timed(ar, t[2]);
+        timed(la, t[0]);
+        timed(od, t[1]);
+        timed(ar, t[2]);
         break;
       case 1:
-        timed(od, t[1]), timed(ar, t[2]), timed(la, t[0]);
+        timed(od, t[1]);
+        timed(ar, t[2]);
+        timed(la, t[0]);
         break;
       default:
-        timed(ar, t[2]), timed(la, t[0]), timed(od, t[1]);
+        timed(ar, t[2]);
+        timed(la, t[0]);
+        timed(od, t[1]);
         break;
     }
   }

@@ -33,8 +33,8 @@ struct ucx_engine_options {
   //! How long the progress thread keeps polling after its last batch finished before it naps
   //! (1 ms at a time, woken by the next submit). A decode loop submits every layer, so while
   //! it runs the thread never naps and a submit costs no wake-up: waking a napping thread is a
-  //! futex call and, on a VM, an inter-processor interrupt, which `perf` put at about 8% of the
-  //! decode thread's time here. 0 naps as soon as nothing is in flight.
+  //! futex call and, on a VM, an inter-processor interrupt (about 8% of a decode thread's time
+  //! on a 2-vCPU VM, docs/disagg.md). 0 naps as soon as nothing is in flight.
   std::chrono::microseconds busy_poll{2000};
 };
 
