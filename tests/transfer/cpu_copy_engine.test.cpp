@@ -81,6 +81,54 @@ TEST_CASE("cpu_copy_engine: a batch copies whole blocks, test/wait report comple
   CHECK(st.bytes == 4 * small.block_bytes());
 }
 
+TEST_CASE("cpu_copy_engine: small host batches are copied inline while nothing is unfinished") {
+  host_tier a(small, 8), b(small, 8);
+  for (slot_id s = 0; s < 8; ++s) {
+    stamp(a, s, 300 + s);
+  }
+  cpu_copy_engine e({.inline_bytes = 2 * small.block_bytes()});
+  // Idle engine, two blocks: done before submit returns, by the submitting thread.
+  const auto t1 = e.submit(a, b, std::vector<block_copy>{{0, 0}, {1, 1}});
+  CHECK(e.test(t1));
+  CHECK(read_stamp(b, 0) == 300);
+  CHECK(read_stamp(b, 1) == 301);
+  CHECK(e.stats().inline_batches == 1);
+  // Three blocks are over the limit: the worker copies them.
+  e.wait(e.submit(a, b, std::vector<block_copy>{{2, 2}, {3, 3}, {4, 4}}));
+  CHECK(read_stamp(b, 4) == 304);
+  CHECK(e.stats().inline_batches == 1);
+  // Behind an unfinished batch a small one queues, so batches still finish in order.
+  gated_io_tier file(small, 4);
+  std::memset(file.raw(0), 0x11, small.block_bytes());
+  file.set_open(false);
+  const auto stalled = e.submit(file, b, std::vector<block_copy>{{0, 5}});
+  const auto queued = e.submit(a, b, std::vector<block_copy>{{6, 6}});
+  CHECK_FALSE(e.test(stalled));
+  CHECK_FALSE(e.test(queued));
+  CHECK(read_stamp(b, 6) != 306);
+  file.set_open(true);
+  e.wait(queued);
+  CHECK(e.test(stalled));
+  CHECK(read_stamp(b, 6) == 306);
+  CHECK(b.slot_data(5)[0] == std::byte{0x11});
+  CHECK(e.stats().inline_batches == 1);
+  CHECK(e.stats().batches == 4);
+  CHECK(e.stats().bytes == 7 * small.block_bytes());
+  // Block-I/O tiers never run inline (their calls may block on a device), and 0 turns it off.
+  e.wait(e.submit(b, file, std::vector<block_copy>{{0, 1}}));
+  CHECK(e.stats().inline_batches == 1);
+  cpu_copy_engine off({.inline_bytes = 0});
+  off.wait(off.submit(a, b, std::vector<block_copy>{{7, 7}}));
+  CHECK(read_stamp(b, 7) == 307);
+  CHECK(off.stats().inline_batches == 0);
+  // Hazard checks still apply to an inline batch.
+  expect_error(
+      [&] {
+        (void)e.submit(b, b, std::vector<block_copy>{{0, 1}, {1, 2}});
+      },
+      errc::invalid_argument, "reads slot 1 which the same batch writes");
+}
+
 TEST_CASE("cpu_copy_engine: bad batches are rejected before anything moves") {
   host_tier a(small, 4), b(small, 4);
   host_tier other(kv_layout{1, 2, 1, 16, 2, dtype::f32}, 4);
@@ -178,7 +226,8 @@ TEST_CASE("cpu_copy_engine: a failure while copying surfaces at wait, once, and 
   CHECK(read_stamp(fast, 0) == 77);
 }
 
-TEST_CASE("cpu_copy_engine: 100k random operations against a model") {
+namespace {
+void random_operations(std::size_t inline_bytes) {
   constexpr std::uint32_t slots = 24;
   host_tier tiers[2] = {host_tier(small, slots), host_tier(small, slots)};
   std::vector<std::uint64_t> model[2];  // each slot's tag once every submitted batch has run
@@ -195,7 +244,7 @@ TEST_CASE("cpu_copy_engine: 100k random operations against a model") {
     std::vector<block_copy> copies;
   };
   std::vector<pending> in_flight;  // submitted and not yet seen finished
-  cpu_copy_engine e;
+  cpu_copy_engine e({.inline_bytes = inline_bytes});
   std::mt19937 rng(2024);
   auto conflicts = [&](int src, int dst, const std::vector<block_copy>& copies, const pending& p) {
     for (const auto& c : copies) {
@@ -274,7 +323,21 @@ TEST_CASE("cpu_copy_engine: 100k random operations against a model") {
     }
   }
   CHECK(accepted > 10000);
-  MESSAGE("accepted " << accepted << " batches, rejected " << rejected << " as hazards");
+  const std::uint64_t inlined = e.stats().inline_batches;
+  CHECK((inline_bytes == 0 ? inlined == 0 : inlined > 0));
+  MESSAGE("accepted " << accepted << " batches (" << inlined << " inline), rejected " << rejected
+                      << " as hazards");
+}
+}  // namespace
+
+TEST_CASE("cpu_copy_engine: 100k random operations against a model") {
+  // Inline copies on (the default: most of these batches are small enough), and off.
+  SUBCASE("inline copies") {
+    random_operations(oasiskv::cpu_copy_engine_options{}.inline_bytes);
+  }
+  SUBCASE("every batch on the worker") {
+    random_operations(0);
+  }
 }
 
 TEST_CASE("cpu_copy_engine: concurrent submitters on disjoint slots") {
