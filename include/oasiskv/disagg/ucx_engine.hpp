@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -39,6 +40,13 @@ struct ucx_engine_options {
 };
 
 //! @brief Models `transfer_engine<ucx_engine, ucx_remote_tier, host_tier>`. Thread-safe.
+//!
+//! Two locks. The UCX worker, its endpoints and the batches being posted belong to the progress
+//! thread, under `ucx_mutex_`. What callers touch (batches submitted but not yet taken up,
+//! unfinished ids, failures, statistics, each exporter's state) is under `mutex_`, which nobody
+//! holds across a UCX call: a `submit`, `test` or `wait` never waits for the progress thread to
+//! finish a round of `ucp_worker_progress` (which copies the blocks on shared-memory transports).
+//! Lock order: `ucx_mutex_`, then `mutex_`.
 class ucx_engine {
  public:
   struct ticket {
@@ -62,6 +70,7 @@ class ucx_engine {
     }
     work_cv_.notify_all();
     thread_.join();
+    std::lock_guard ucx(ucx_mutex_);
     for (auto& p : peers_) {  // quiesce: force-close whatever is left, bounded
       if (p->st == ucx_peer::state::ready) {
         start_close(*p, "engine destroyed");
@@ -77,14 +86,13 @@ class ucx_engine {
   }
 
   const ucx_engine_options& options() const noexcept { return options_; }
-  ucp_worker_h worker() const noexcept { return worker_.get(); }
 
   //! @brief Creates the endpoint to an exporter's worker and unpacks its rkeys.
   ucx_peer* connect(std::string name, std::span<const std::byte> worker_address,
                     std::span<const std::byte> arena_rkey, std::span<const std::byte> gen_rkey) {
     auto p = std::make_unique<ucx_peer>();
     p->name = std::move(name);
-    std::lock_guard lock(mutex_);
+    std::lock_guard ucx(ucx_mutex_);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -181,7 +189,7 @@ class ucx_engine {
   bool test(const ticket& t) const {
     std::lock_guard lock(mutex_);
     check_issued(t);
-    return !active_.contains(t.id);
+    return !unfinished_.contains(t.id);
   }
 
   //! @brief Blocks until batch `t` has finished; rethrows its failure (`errc::transfer_failed`,
@@ -189,7 +197,7 @@ class ucx_engine {
   void wait(const ticket& t) {
     std::unique_lock lock(mutex_);
     check_issued(t);
-    done_cv_.wait(lock, [&] { return !active_.contains(t.id); });
+    done_cv_.wait(lock, [&] { return !unfinished_.contains(t.id); });
     if (auto it = failures_.find(t.id); it != failures_.end()) {
       std::string m = std::move(it->second);
       failures_.erase(it);
@@ -223,7 +231,9 @@ class ucx_engine {
     std::vector<dst_key> dst_slots;
     std::size_t next = 0;         // next op (data, then generation words) to post
     std::size_t outstanding = 0;  // posted, callback not yet run
+    std::uint64_t gets = 0;       // data gets posted
     bool gen_phase = false;
+    bool stale = false;  // a generation word did not match
     ucs_status_t status = UCS_OK;
     std::string failure;  // set once the batch is doomed
     steady_clock::time_point deadline;
@@ -269,7 +279,9 @@ class ucx_engine {
     b->deadline = steady_clock::now() + b->budget;
     b->gen_read.assign(b->gen_addr.size(), 0);
     const ticket t{b->id};
-    active_.emplace(b->id, std::move(b));
+    unfinished_.insert(b->id);
+    pending_.push_back(std::move(b));
+    submitted_.store(true, std::memory_order_release);
     lock.unlock();
     work_cv_.notify_one();
     return t;
@@ -291,7 +303,7 @@ class ucx_engine {
     ucp_request_free(request);
   }
 
-  // Lock held. Posts the batch's next gets, up to the engine's window.
+  // `ucx_mutex_` held. Posts the batch's next gets, up to the engine's window.
   void post(batch& b, std::size_t& in_flight) {
     const std::size_t total = b.gen_phase ? b.gen_addr.size() : b.ops.size();
     while (b.next < total && in_flight < options_.max_in_flight) {
@@ -306,7 +318,7 @@ class ucx_engine {
       } else {
         const op& o = b.ops[b.next];
         r = ucp_get_nbx(b.peer->ep, o.local, o.bytes, o.remote, b.peer->arena_rkey, &p);
-        ++stats_.gets;
+        ++b.gets;
       }
       ++b.next;
       if (UCS_PTR_IS_ERR(r)) {
@@ -320,14 +332,18 @@ class ucx_engine {
     }
   }
 
-  // Lock held. Force-closes the endpoint: the only way to abort gets in UCX 1.13.
+  // `ucx_mutex_` held, `mutex_` not. Force-closes the endpoint: the only way to abort gets in UCX
+  // 1.13. A peer's state is written under both locks, so callers read it under either.
   void start_close(ucx_peer& p, std::string why) {
     if (p.st != ucx_peer::state::ready) {
       return;
     }
-    p.failure = std::move(why);
-    p.st = ucx_peer::state::closing;
-    ++stats_.forced_closes;
+    {
+      std::lock_guard lock(mutex_);
+      p.failure = std::move(why);
+      p.st = ucx_peer::state::closing;
+      ++stats_.forced_closes;
+    }
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -347,6 +363,7 @@ class ucx_engine {
     }
     p.arena_rkey = p.gen_rkey = nullptr;
     p.ep = nullptr;
+    std::lock_guard lock(mutex_);
     p.st = ucx_peer::state::dead;
   }
   void poll_closes() {
@@ -360,11 +377,12 @@ class ucx_engine {
     }
   }
 
-  // Lock held. Advances every batch; returns whether any is waiting on the network.
+  // `ucx_mutex_` held, `mutex_` not. Advances every batch; returns whether any is waiting on the
+  // network.
   bool step() {
     const auto now = steady_clock::now();
     std::size_t in_flight = 0;
-    for (auto& [id, b] : active_) {
+    for (auto& [id, b] : running_) {
       in_flight += b->outstanding;
     }
     for (auto& p : peers_) {
@@ -373,7 +391,7 @@ class ucx_engine {
       }
     }
     std::vector<std::uint64_t> finished;
-    for (auto& [id, bp] : active_) {
+    for (auto& [id, bp] : running_) {
       batch& b = *bp;
       ucx_peer& p = *b.peer;
       if (b.failure.empty()) {
@@ -414,8 +432,8 @@ class ucx_engine {
         }
       }
     }
-    for (std::uint64_t id : finished) {
-      finish(id);
+    if (!finished.empty()) {
+      finish(finished);
     }
     return in_flight > 0;
   }
@@ -423,7 +441,7 @@ class ucx_engine {
   void check_generations(batch& b) {
     for (std::size_t i = 0; i < b.gen_read.size(); ++i) {
       if (b.gen_read[i] != b.gen_expected[i]) {
-        ++stats_.generation_mismatches;
+        b.stale = true;
         b.failure = "exporter " + b.peer->name + ": remote slot " + std::to_string(b.gen_slots[i]) +
                     " has generation " + std::to_string(b.gen_read[i]) + ", expected " +
                     std::to_string(b.gen_expected[i]) +
@@ -433,32 +451,56 @@ class ucx_engine {
     }
   }
 
-  void finish(std::uint64_t id) {
-    auto node = active_.extract(id);
-    batch& b = *node.mapped();
-    const std::uint64_t bytes = b.ops.empty() ? 0 : b.ops.size() * b.ops[0].bytes;
-    for (const dst_key& k : b.dst_slots) {
-      quarantined_.erase(k);
-    }
-    ++stats_.batches;
-    const std::string failure = b.failure;
-    const bool ok = failure.empty();
-    if (b.outstanding != 0) {
-      zombies_.push_back(std::move(node.mapped()));  // late callbacks still point at it
-    }
-    if (ok) {
-      stats_.bytes += bytes;
-    } else {
-      ++stats_.failed_batches;
-      failures_.emplace(id, "ucx_engine: batch " + std::to_string(id) + ": " + failure);
+  // `ucx_mutex_` held, `mutex_` not. Retires finished batches: their slots are free again and
+  // their waiters wake.
+  void finish(const std::vector<std::uint64_t>& ids) {
+    {
+      std::lock_guard lock(mutex_);
+      for (std::uint64_t id : ids) {
+        auto node = running_.extract(id);
+        batch& b = *node.mapped();
+        const std::uint64_t bytes = b.ops.empty() ? 0 : b.ops.size() * b.ops[0].bytes;
+        for (const dst_key& k : b.dst_slots) {
+          quarantined_.erase(k);
+        }
+        ++stats_.batches;
+        stats_.gets += b.gets;
+        stats_.generation_mismatches += b.stale ? 1 : 0;
+        if (b.failure.empty()) {
+          stats_.bytes += bytes;
+        } else {
+          ++stats_.failed_batches;
+          failures_.emplace(id, "ucx_engine: batch " + std::to_string(id) + ": " + b.failure);
+        }
+        unfinished_.erase(id);
+        if (b.outstanding != 0) {
+          zombies_.push_back(std::move(node.mapped()));  // late callbacks still point at it
+        }
+      }
     }
     done_cv_.notify_all();
   }
 
+  // Takes up the submitted batches; returns false once the engine is stopping. Takes `mutex_`
+  // only when there are some: taken at every round, it would often be held by a submit, and the
+  // thread would sleep on it and cost that submit a futex wake-up.
+  bool take_pending() {
+    if (!submitted_.exchange(false, std::memory_order_acquire)) {
+      return !stop_.load(std::memory_order_relaxed);
+    }
+    std::lock_guard lock(mutex_);
+    for (auto& b : pending_) {
+      const std::uint64_t id = b->id;
+      running_.emplace(id, std::move(b));
+    }
+    pending_.clear();
+    return !stop_;
+  }
+
   void run() {
-    std::unique_lock lock(mutex_);
+    std::unique_lock ucx(ucx_mutex_);
     auto last_busy = steady_clock::now();
-    while (!stop_) {
+    while (take_pending()) {
       bool busy = step();
       for (int i = 0; i < 64 && ucp_worker_progress(worker_.get()) != 0; ++i) {
         busy = true;
@@ -468,34 +510,42 @@ class ucx_engine {
       const bool closing = std::any_of(peers_.begin(), peers_.end(), [](const auto& p) {
         return p->st == ucx_peer::state::closing;
       });
-      const bool working = busy || closing || !active_.empty();
+      const bool working = busy || closing || !running_.empty();
       if (working) {
         last_busy = steady_clock::now();
       }
+      ucx.unlock();  // lets `connect` in
       if (working || steady_clock::now() - last_busy < options_.busy_poll) {
-        lock.unlock();
         std::this_thread::yield();
-        lock.lock();
       } else {
         // Idle: nap, but still progress often enough for UCX keepalive and error detection.
+        std::unique_lock lock(mutex_);
         ++stats_.idle_naps;
-        work_cv_.wait_for(lock, std::chrono::milliseconds(1));
+        work_cv_.wait_for(lock, std::chrono::milliseconds(1),
+                          [&] { return stop_ || !pending_.empty(); });
       }
+      ucx.lock();
     }
   }
 
   ucx_engine_options options_;
+  // Under `mutex_`:
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::vector<std::unique_ptr<ucx_peer>> peers_;
-  std::map<std::uint64_t, std::unique_ptr<batch>> active_;
+  std::vector<std::unique_ptr<batch>> pending_;  // submitted, not yet taken up
+  std::set<std::uint64_t> unfinished_;           // ids of pending and running batches
   std::map<std::uint64_t, std::string> failures_;
   std::set<dst_key> quarantined_;
-  std::vector<std::unique_ptr<batch>> zombies_;
   std::uint64_t issued_ = 0;
   statistics stats_{};
-  bool stop_ = false;
+  std::atomic<bool> stop_ = false;       // written under `mutex_`
+  std::atomic<bool> submitted_ = false;  // pending_ may be non-empty
+  // Under `ucx_mutex_` (the progress thread's):
+  std::mutex ucx_mutex_;
+  std::vector<std::unique_ptr<ucx_peer>> peers_;
+  std::map<std::uint64_t, std::unique_ptr<batch>> running_;
+  std::vector<std::unique_ptr<batch>> zombies_;
   // After every object a UCX callback can touch (peers, batches): destroying the worker purges
   // the requests still queued and runs their callbacks, which must find their batches alive.
   ucx_context context_;
