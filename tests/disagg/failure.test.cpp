@@ -100,7 +100,11 @@ void exporter_failure(int sig, const char* expect_in_message) {
   CHECK(what.find(ta.name()) != std::string::npos);
   CHECK(what.find(expect_in_message) != std::string::npos);
   CHECK_THROWS_AS(engine.submit(ta, local, ca), oasiskv::error);  // A stays dead
-  for (int step = 0; step < 3; ++step) {                          // B goes on
+  CHECK_FALSE(engine.peer_failure(ta.peer()).empty());
+  const auto st = engine.stats();
+  CHECK(st.forced_closes == 1);  // A's endpoint only
+  CHECK(st.failed_batches >= 1);
+  for (int step = 0; step < 3; ++step) {  // B goes on
     engine.wait(engine.submit(tb, local, cb));
     CHECK(exact(local, ob, cb));
   }
