@@ -115,11 +115,8 @@ class cpu_copy_engine {
       if (completed_ + 1 == job->id && options_.inline_bytes != 0 &&
           job->copies.size() * job->block_bytes <= options_.inline_bytes) {
         copy_batch<Src, Dst>(*job);
-        ++stats_.batches;
-        stats_.blocks += job->copies.size();
-        stats_.bytes += job->copies.size() * job->block_bytes;
         ++stats_.inline_batches;
-        completed_ = job->id;
+        retire(*job, {});
         return ticket{job->id};  // nobody holds this ticket yet: no waiter to wake
       }
     }
@@ -313,6 +310,20 @@ class cpu_copy_engine {
     }
   }
 
+  // Lock held. Counts finished batch `job` (failed if `failure` is not empty); it is the oldest
+  // unfinished one.
+  void retire(const batch& job, const std::string& failure) {
+    ++stats_.batches;
+    stats_.blocks += job.copies.size();
+    if (failure.empty()) {
+      stats_.bytes += job.copies.size() * job.block_bytes;
+    } else {
+      ++stats_.failed_batches;
+      failures_.emplace(job.id, "batch " + std::to_string(job.id) + " failed: " + failure);
+    }
+    completed_ = job.id;
+  }
+
   void run() {
     std::unique_lock lock(mutex_);
     for (;;) {
@@ -339,15 +350,7 @@ class cpu_copy_engine {
         }
         writing_.erase({job->dst_tier, c.dst});
       }
-      ++stats_.batches;
-      stats_.blocks += job->copies.size();
-      if (failure.empty()) {
-        stats_.bytes += job->copies.size() * job->block_bytes;
-      } else {
-        ++stats_.failed_batches;
-        failures_.emplace(job->id, "batch " + std::to_string(job->id) + " failed: " + failure);
-      }
-      completed_ = job->id;
+      retire(*job, failure);
       done_cv_.notify_all();
     }
   }
