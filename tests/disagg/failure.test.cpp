@@ -102,8 +102,8 @@ void exporter_failure(int sig, const char* expect_in_message) {
   CHECK_THROWS_AS(engine.submit(ta, local, ca), oasiskv::error);  // A stays dead
   CHECK_FALSE(engine.peer_failure(ta.peer()).empty());
   const auto st = engine.stats();
-  CHECK(st.forced_closes == 1);  // A's endpoint only
-  CHECK(st.failed_batches >= 1);
+  // A's endpoint only. (No batch need have failed: the failure may reach a submit first.)
+  CHECK(st.forced_closes == 1);
   for (int step = 0; step < 3; ++step) {  // B goes on
     engine.wait(engine.submit(tb, local, cb));
     CHECK(exact(local, ob, cb));
