@@ -285,9 +285,8 @@ TEST_CASE_TEMPLATE("importance predictor: bad input names the value", P, OASISKV
   }
 }
 
-TEST_CASE("block_selector: the top-k is the top of a full sort, ties to the lower index") {
-  std::mt19937 rng(9);
-  block_selector sel;
+namespace {
+void check_selector_against_sort(block_selector& sel, std::mt19937& rng) {
   for (int trial = 0; trial < 360; ++trial) {
     // Every sixth trial a long sequence with a small budget: the chunk-maxima prefilter and
     // the vector loops' tails.
@@ -300,11 +299,16 @@ TEST_CASE("block_selector: the top-k is the top of a full sort, ties to the lowe
       continue;
     }
     std::vector<float> scores(n);
-    for (float& s : scores) {  // few distinct values: many ties; now and then NaN or infinity
+    // Few distinct values (many ties) in two trials of three, else continuous ones (the
+    // prefilter's bound then matters); now and then NaN or infinity.
+    const bool continuous = trial % 3 == 2;
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    for (float& s : scores) {
       const auto v = rng() % 40;
       s = v == 0   ? std::numeric_limits<float>::quiet_NaN()
           : v == 1 ? std::numeric_limits<float>::infinity()
-                   : static_cast<float>(v % 6);
+          : v == 2 ? -std::numeric_limits<float>::infinity()
+                   : (continuous ? normal(rng) : static_cast<float>(v % 6));
     }
     std::vector<std::uint32_t> got;
     sel.append_table(scores.data(), n, sp, got);
@@ -334,6 +338,22 @@ TEST_CASE("block_selector: the top-k is the top of a full sort, ties to the lowe
       std::sort(want.begin(), want.end());
     }
     CHECK(got == want);
+  }
+}
+}  // namespace
+
+TEST_CASE("block_selector: the top-k is the top of a full sort, ties to the lower index") {
+  // Every code path the machine runs sees the same inputs.
+  for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
+    if (!score_isa_supported(isa)) {
+      MESSAGE("score_isa ", to_string(isa), " not supported here");
+      continue;
+    }
+    CAPTURE(to_string(isa));
+    std::mt19937 rng(9);
+    block_selector sel{isa};
+    CHECK(sel.isa() == isa);
+    check_selector_against_sort(sel, rng);
   }
 }
 
