@@ -5,9 +5,11 @@
 
 #include "support/expect_error.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -440,5 +442,130 @@ TEST_CASE("mean_summary: the dot product with the mean key") {
     }
     expect_error([&] { s.update(1, pool.slot_data(1), 0, 14); }, errc::out_of_range,
                  "would hold 17 tokens");
+  }
+}
+
+TEST_CASE("softmax row kernels: every path clamps, exponentiates and accumulates alike") {
+  // The passes the softmax-mass aggregation makes over each query row: clamp_finite_max, then
+  // exp_sum, then add_scaled. Each vector path against a double reference, at every length up
+  // to two vectors past the widest unroll (tails included), with NaN and infinities mixed in.
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  constexpr float lim = std::numeric_limits<float>::max();
+  for (std::size_t count = 0; count <= 70; ++count) {
+    CAPTURE(count);
+    std::vector<float> x(count);
+    for (float& v : x) {
+      const auto c = rng() % 30;
+      v = c == 0   ? std::numeric_limits<float>::quiet_NaN()
+          : c == 1 ? std::numeric_limits<float>::infinity()
+          : c == 2 ? -std::numeric_limits<float>::infinity()
+                   : normal(rng);
+    }
+    std::vector<float> want_clamped(count);
+    float want_max = -lim;
+    for (std::size_t i = 0; i < count; ++i) {
+      want_clamped[i] = std::isnan(x[i]) ? lim : std::clamp(x[i], -lim, lim);
+      want_max = std::max(want_max, want_clamped[i]);
+    }
+    // exp_sum's input: finite and at most the maximum, as the aggregation passes it.
+    std::vector<float> finite(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      finite[i] = std::isfinite(x[i]) ? x[i] : -20.0f;
+    }
+    const float m = count == 0 ? 0.0f : *std::max_element(finite.begin(), finite.end());
+    const float scale = 0.125f;
+    double want_sum = 0.0;
+    std::vector<double> want_exp(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      want_exp[i] = std::exp(double{scale} * (double{finite[i]} - m));
+      want_sum += want_exp[i];
+    }
+    std::vector<float> acc0(count);
+    for (float& v : acc0) {
+      v = normal(rng);
+    }
+    const float k = 0.37f;
+
+    auto check_path = [&](const char* path, auto clamp_max, auto exp_sum, auto add_scaled) {
+      CAPTURE(path);
+      std::vector<float> clamped(count + 1, 123.0f);  // one past the end: must stay untouched
+      CHECK(clamp_max(x.data(), count, clamped.data()) == want_max);
+      for (std::size_t i = 0; i < count; ++i) {
+        CHECK(clamped[i] == want_clamped[i]);
+      }
+      CHECK(clamped[count] == 123.0f);
+      std::vector<float> e(count + 1, 123.0f);
+      const float sum = exp_sum(finite.data(), m, count, scale, e.data());
+      CHECK(sum == doctest::Approx(want_sum).epsilon(1e-5));
+      for (std::size_t i = 0; i < count; ++i) {
+        CHECK(e[i] == doctest::Approx(want_exp[i]).epsilon(1e-6));
+      }
+      CHECK(e[count] == 123.0f);
+      std::vector<float> acc = acc0;
+      acc.push_back(123.0f);
+      add_scaled(acc.data(), e.data(), k, count);
+      for (std::size_t i = 0; i < count; ++i) {
+        CHECK(acc[i] == doctest::Approx(acc0[i] + k * want_exp[i]).epsilon(1e-6));
+      }
+      CHECK(acc[count] == 123.0f);
+    };
+    check_path(
+        "dispatched", detail::clamp_finite_max, detail::exp_sum,
+        [](float* a, const float* v, float f, std::size_t c) { detail::add_scaled(a, v, f, c); });
+#if OASISKV_SCORE_X86
+    if (score_isa_supported(score_isa::avx2)) {
+      check_path("avx2", detail::clamp_finite_max_avx2, detail::exp_sum_avx2,
+                 detail::add_scaled_avx2);
+    }
+    if (score_isa_supported(score_isa::avx512)) {
+      check_path("avx512", detail::clamp_finite_max_avx512, detail::exp_sum_avx512,
+                 detail::add_scaled_avx512);
+    }
+#endif
+  }
+}
+
+TEST_CASE("entry id stats: the largest id and the consecutive steps, on every path") {
+  // What check_entry_ids and the predictors' capacity checks read: a wrong maximum would let an
+  // out-of-range id through, a wrong count would score ids as one run that are not.
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::size_t n = 1 + rng() % 70;
+    std::vector<std::uint32_t> ids(n);
+    std::uint32_t next = rng() % 1000;
+    for (std::uint32_t& id : ids) {  // runs of consecutive ids, jumps, repeats, huge ids
+      const auto c = rng() % 10;
+      id = c < 6 ? next : c < 8 ? rng() % 1000 : c < 9 ? 0xffffffffu - rng() % 3 : next - 1;
+      next = id + 1;
+    }
+    if (trial % 5 == 0) {
+      std::iota(ids.begin(), ids.end(), rng() % 1000);  // wholly consecutive
+    }
+    detail::entry_id_stats want;
+    for (std::size_t i = 0; i < n; ++i) {
+      want.top = std::max(want.top, ids[i]);
+      want.steps += i > 0 && ids[i] == ids[i - 1] + 1 ? 1u : 0u;
+    }
+    CAPTURE(n);
+    const detail::entry_id_stats got = detail::entry_id_stats_of(ids);
+    CHECK(got.top == want.top);
+    CHECK(got.steps == want.steps);
+    const detail::entry_id_stats s = detail::entry_id_stats_scalar(ids);
+    CHECK(s.top == want.top);
+    CHECK(s.steps == want.steps);
+#if OASISKV_SCORE_X86
+    if (score_isa_supported(score_isa::avx512)) {
+      const detail::entry_id_stats v = detail::entry_id_stats_avx512(ids);
+      CHECK(v.top == want.top);
+      CHECK(v.steps == want.steps);
+    }
+#endif
+    const bool contiguous = want.steps + 1 == n;
+    if (want.top < 0xffffffffu) {
+      CHECK(detail::check_entry_ids(ids, want.top + 1, "t") == contiguous);
+    }
+    expect_error([&] { detail::check_entry_ids(ids, want.top, "t"); }, errc::out_of_range,
+                 ">= capacity");
   }
 }

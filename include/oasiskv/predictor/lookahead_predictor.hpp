@@ -42,10 +42,8 @@ class summary_scoring_predictor {
             " but seq_len = ", in.seq_len, " needs ", blocks, " blocks");
     }
     const std::uint32_t capacity = in.summaries->capacity();
-    std::uint32_t top = 0;  // a branch-free max first; the offending index only on failure
-    for (const std::uint32_t id : in.summary_ids) {
-      top = id > top ? id : top;
-    }
+    // The largest id first (one vector pass); the offending index only on failure.
+    const std::uint32_t top = blocks == 0 ? 0 : detail::entry_id_stats_of(in.summary_ids).top;
     if (top >= capacity) [[unlikely]] {
       for (std::uint32_t i = 0; i < blocks; ++i) {
         if (in.summary_ids[i] >= capacity) {

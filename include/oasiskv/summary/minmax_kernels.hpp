@@ -5,6 +5,7 @@
 //! horizontal reduction, and the f16 conversions are shared by every row.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -282,22 +283,15 @@ inline bool check_entry_ids(std::span<const std::uint32_t> ids, std::uint32_t ca
   if (ids.empty()) {
     return true;
   }
-  // Two branch-free passes (a max and a count) that the compiler vectorises.
-  std::uint32_t top = 0, steps = 0;
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    top = ids[i] > top ? ids[i] : top;
-  }
-  for (std::size_t i = 1; i < ids.size(); ++i) {
-    steps += ids[i] == ids[i - 1] + 1 ? 1u : 0u;
-  }
-  if (top >= capacity) [[unlikely]] {
+  const entry_id_stats st = entry_id_stats_of(ids);
+  if (st.top >= capacity) [[unlikely]] {
     for (const std::uint32_t b : ids) {
       if (b >= capacity) {
         raise(errc::out_of_range, who, ": entry ", b, " >= capacity = ", capacity);
       }
     }
   }
-  return steps + 1 == ids.size();
+  return st.steps + 1 == ids.size();
 }
 
 //! @brief The length of the run of consecutive ids from `ids[i]` within its tile of `lanes`.

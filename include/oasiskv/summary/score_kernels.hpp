@@ -5,6 +5,7 @@
 //! with no `-march` flag; a scalar path serves every other machine.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -465,13 +466,111 @@ OASISKV_SCORE_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x
     acc[i] += k * x[i];
   }
 }
+
+#pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// exp8_avx2 on 16 floats.
+OASISKV_SCORE_TARGET_AVX512 inline __m512 exp16_avx512(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+OASISKV_SCORE_TARGET_AVX512 inline __mmask16 tail16(std::size_t i, std::size_t count) {
+  return count - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (count - i)) - 1u);
+}
+
+// exp_sum_avx2 16 at a time; the tail is masked (the polynomial too, not std::exp).
+OASISKV_SCORE_TARGET_AVX512 inline float exp_sum_avx512(const float* x, float m, std::size_t count,
+                                                        float scale, float* out) {
+  const __m512 s = _mm512_set1_ps(scale), mv = _mm512_set1_ps(m);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  std::size_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m512 e0 = exp16_avx512(_mm512_mul_ps(s, _mm512_sub_ps(_mm512_loadu_ps(x + i), mv)));
+    const __m512 e1 =
+        exp16_avx512(_mm512_mul_ps(s, _mm512_sub_ps(_mm512_loadu_ps(x + i + 16), mv)));
+    _mm512_storeu_ps(out + i, e0);
+    _mm512_storeu_ps(out + i + 16, e1);
+    a0 = _mm512_add_ps(a0, e0);
+    a1 = _mm512_add_ps(a1, e1);
+  }
+  for (; i < count; i += 16) {
+    const __mmask16 k = tail16(i, count);
+    const __m512 e =
+        exp16_avx512(_mm512_mul_ps(s, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+    _mm512_mask_storeu_ps(out + i, k, e);
+    a0 = _mm512_mask_add_ps(a0, k, a0, e);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+// clamp_finite_max_avx2 16 at a time, with a masked tail.
+OASISKV_SCORE_TARGET_AVX512 inline float clamp_finite_max_avx512(const float* x, std::size_t count,
+                                                                 float* out) {
+  constexpr float lim = std::numeric_limits<float>::max();
+  const __m512 hi = _mm512_set1_ps(lim), lo = _mm512_set1_ps(-lim);
+  __m512 m0 = lo, m1 = lo;
+  std::size_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    // minps returns its second operand when either is NaN: NaN and +inf become lim.
+    const __m512 v0 = _mm512_max_ps(_mm512_min_ps(_mm512_loadu_ps(x + i), hi), lo);
+    const __m512 v1 = _mm512_max_ps(_mm512_min_ps(_mm512_loadu_ps(x + i + 16), hi), lo);
+    _mm512_storeu_ps(out + i, v0);
+    _mm512_storeu_ps(out + i + 16, v1);
+    m0 = _mm512_max_ps(m0, v0);
+    m1 = _mm512_max_ps(m1, v1);
+  }
+  for (; i < count; i += 16) {
+    const __mmask16 k = tail16(i, count);
+    const __m512 v = _mm512_max_ps(_mm512_min_ps(_mm512_maskz_loadu_ps(k, x + i), hi), lo);
+    _mm512_mask_storeu_ps(out + i, k, v);
+    m0 = _mm512_mask_max_ps(m0, k, m0, v);
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+
+// acc[i] += k * x[i], 16 at a time, with a masked tail.
+OASISKV_SCORE_TARGET_AVX512 inline void add_scaled_avx512(float* acc, const float* x, float k,
+                                                          std::size_t count) {
+  const __m512 kv = _mm512_set1_ps(k);
+  for (std::size_t i = 0; i < count; i += 16) {
+    const __mmask16 t = tail16(i, count);
+    _mm512_mask_storeu_ps(
+        acc + i, t,
+        _mm512_fmadd_ps(kv, _mm512_maskz_loadu_ps(t, x + i), _mm512_maskz_loadu_ps(t, acc + i)));
+  }
+}
+
+#pragma GCC diagnostic pop
 #endif  // OASISKV_SCORE_X86
 
 //! @brief `out[i] = exp(scale * (x[i] - m))` for `i < count` (`x` finite; `out` may be `x`);
-//! returns the sum of the `out[i]`. The AVX2 path's polynomial is within about 2 ulp of
-//! `std::exp` and returns ~1e-38, not 0, below -87.3; the scalar path is `std::exp`.
+//! returns the sum of the `out[i]`. The AVX-512 and AVX2 paths' polynomial is within about 2 ulp
+//! of `std::exp` and returns ~1e-38, not 0, below -87.3; the scalar path is `std::exp`.
 inline float exp_sum(const float* x, float m, std::size_t count, float scale, float* out) {
 #if OASISKV_SCORE_X86
+  static const bool avx512 = score_isa_supported(score_isa::avx512);
+  if (avx512) {
+    return exp_sum_avx512(x, m, count, scale, out);
+  }
   static const bool avx2 = score_isa_supported(score_isa::avx2);
   if (avx2) {
     return exp_sum_avx2(x, m, count, scale, out);
@@ -490,6 +589,10 @@ inline float exp_sum(const float* x, float m, std::size_t count, float scale, fl
 //! finite float when `count` is 0.
 inline float clamp_finite_max(const float* x, std::size_t count, float* out) {
 #if OASISKV_SCORE_X86
+  static const bool avx512 = score_isa_supported(score_isa::avx512);
+  if (avx512) {
+    return clamp_finite_max_avx512(x, count, out);
+  }
   static const bool avx2 = score_isa_supported(score_isa::avx2);
   if (avx2) {
     return clamp_finite_max_avx2(x, count, out);
@@ -508,6 +611,11 @@ inline float clamp_finite_max(const float* x, std::size_t count, float* out) {
 //! @brief `acc[i] += k * x[i]` for `i < count`.
 inline void add_scaled(float* acc, const float* x, float k, std::size_t count) {
 #if OASISKV_SCORE_X86
+  static const bool avx512 = score_isa_supported(score_isa::avx512);
+  if (avx512) {
+    add_scaled_avx512(acc, x, k, count);
+    return;
+  }
   static const bool avx2 = score_isa_supported(score_isa::avx2);
   if (avx2) {
     add_scaled_avx2(acc, x, k, count);
@@ -537,6 +645,65 @@ void dot_entries(score_isa isa, const S* base, std::size_t entry_stride,
 #endif
   (void)isa;
   dot_entries_scalar(base, entry_stride, ids, rows, n, len, out);
+}
+
+//! @brief Of a list of entry ids: the largest id, and how many ids are their predecessor plus one.
+struct entry_id_stats {
+  std::uint32_t top = 0;
+  std::uint32_t steps = 0;
+};
+
+#if OASISKV_SCORE_X86
+#pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// One pass, 16 ids at a time (each beside its predecessor, loaded one id back).
+OASISKV_SCORE_TARGET_AVX512 inline entry_id_stats entry_id_stats_avx512(
+    std::span<const std::uint32_t> ids) {
+  const std::uint32_t* p = ids.data();
+  const std::size_t n = ids.size();
+  __m512i top = _mm512_setzero_si512();
+  std::uint32_t steps = 0;
+  const __m512i one = _mm512_set1_epi32(1);
+  std::size_t i = 1;  // ids[i - 1] exists
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_loadu_si512(p + i);
+    const __m512i prev = _mm512_loadu_si512(p + i - 1);
+    top = _mm512_max_epu32(top, v);
+    steps += static_cast<std::uint32_t>(
+        __builtin_popcount(_mm512_cmpeq_epi32_mask(v, _mm512_add_epi32(prev, one))));
+  }
+  std::uint32_t t = std::max(_mm512_reduce_max_epu32(top), p[0]);
+  for (; i < n; ++i) {
+    t = p[i] > t ? p[i] : t;
+    steps += p[i] == p[i - 1] + 1 ? 1u : 0u;
+  }
+  return {t, steps};
+}
+#pragma GCC diagnostic pop
+#endif
+
+// Two branch-free passes (a max and a count) that the compiler vectorises.
+inline entry_id_stats entry_id_stats_scalar(std::span<const std::uint32_t> ids) {
+  std::uint32_t top = 0, steps = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    top = ids[i] > top ? ids[i] : top;
+  }
+  for (std::size_t i = 1; i < ids.size(); ++i) {
+    steps += ids[i] == ids[i - 1] + 1 ? 1u : 0u;
+  }
+  return {top, steps};
+}
+
+//! @brief `entry_id_stats` of `ids` (not empty).
+inline entry_id_stats entry_id_stats_of(std::span<const std::uint32_t> ids) {
+#if OASISKV_SCORE_X86
+  static const bool avx512 = score_isa_supported(score_isa::avx512);
+  if (avx512) {
+    return entry_id_stats_avx512(ids);
+  }
+#endif
+  return entry_id_stats_scalar(ids);
 }
 
 }  // namespace detail
