@@ -14,7 +14,9 @@
 // is full admission, every block copied before the first step; `ucx_paired`). UCX_TLS picks the
 // transport (default here: sm; the other loopback settings of docs/disagg.md are defaulted too).
 // Queries drift from step to step and keys cluster by block, so selections change gradually,
-// as real attention does; `fetched_per_step` reports how much each step had to move.
+// as real attention does; `fetched_per_step` reports how much each step had to move, and
+// `context_k` the sequence's mean length (the UCX and paired rows keep their caches from call to
+// call, so their sequences grow with every repetition, and the predictor's time with them).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -156,6 +158,7 @@ class decode_loop {
       cache_->lookahead(seq_, l, {walk_.q.data(), nullptr, 1});
     }
     before_ = cache_->stats();
+    start_length_ = cache_->length(seq_);
   }
 
   // Whether the sequence has reached the tokens its tiers (and the source's keys) have room for.
@@ -211,6 +214,13 @@ class decode_loop {
     state.counters["predict_ms_per_step"] =
         (after.predict_seconds - before_.predict_seconds) / n * 1e3;
     state.counters["fast_MiB"] = static_cast<double>(fast_slots) * layout.block_bytes() / (1 << 20);
+    state.counters["context_k"] = mean_context_k();
+  }
+
+  // The sequence's mean length over the steps run, in thousands of tokens: the predictor scores
+  // every block, so its time grows with it (a cache kept from call to call starts longer).
+  double mean_context_k() const {
+    return (static_cast<double>(start_length_) + (steps() - 1.0) / 2.0) / 1024.0;
   }
 
  private:
@@ -222,6 +232,7 @@ class decode_loop {
   std::vector<float> out_;
   std::vector<f16> k_, v_;
   cache_stats before_{};
+  std::uint32_t start_length_ = 0;
   double lookahead_seconds_ = 0.0;
   std::uint64_t steps_ = 0;
 };
@@ -316,6 +327,7 @@ void run_paired(benchmark::State& state, LA& la, OD& od, AR& ar) {
   state.counters["all_resident_ms"] = t[2] / n * 1e3;
   state.counters["lookahead_hit_rate"] = la.hit_rate();
   state.counters["on_demand_stall_ms"] = od.stall_ms_per_step();
+  state.counters["context_k"] = ar.mean_context_k();
 }
 
 // The file tier's three caches, built once and shared by every call (each call decodes on:
