@@ -11,7 +11,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/common.sh
 
 jobs=$(nproc 2>/dev/null || echo 2)
-oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}"
+# clang-14: the package-consumer test builds the headers with clang too (tests/package).
+oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}" clang-14
 oasiskv_find_cuda
 
 # The SmolLM2 tests of the mini-decoder need the model file; tests never download, so fetch it

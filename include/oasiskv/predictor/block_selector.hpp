@@ -132,9 +132,11 @@ class block_selector {
   }
 
 #if OASISKV_SCORE_X86
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2 (as in the kernels)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
   // 16 candidates from i (fewer at the tail: `valid`), NaN as +inf; lanes not valid are -inf.
   OASISKV_SCORE_TARGET_AVX512 static __m512 load_ranked(const float* cand, std::uint32_t i,
                                                         __mmask16 valid) {
@@ -213,7 +215,9 @@ class block_selector {
     }
     out.resize(at + kept);
   }
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif
 
   score_isa isa_ = resolve_score_isa(score_isa::best);

@@ -100,9 +100,11 @@ void minmax_lanes_scalar(const S* tile, const float* bias, std::uint32_t d, std:
 
 #if OASISKV_SCORE_X86
 
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 // Dimension x's maximum and minimum of the tile's 16 entries, widened to f32.
 OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const float* t, std::uint32_t x, __m512& mx,
@@ -273,7 +275,9 @@ OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias,
   }
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif  // OASISKV_SCORE_X86
 
 //! @brief Checks every id against `capacity` (`errc::out_of_range` naming `who`); returns

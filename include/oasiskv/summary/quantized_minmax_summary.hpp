@@ -66,9 +66,11 @@ inline void qminmax_run_scalar(const std::int8_t* tile, const float* scale, cons
 }
 
 #if OASISKV_SCORE_X86
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push  // gcc 12's unmasked AVX-512 intrinsics: see score_kernels.hpp
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 template <int R>
 OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile,
@@ -150,7 +152,9 @@ OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_run_vnni(
     out.put(res, 16, lane0, count, r0, rows, i0);
   }
 }
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif
 
 }  // namespace detail

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "oasiskv/config.hpp"
+#include "oasiskv/core/cpu_features.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
 
@@ -54,7 +55,7 @@ inline bool score_isa_supported(score_isa i) noexcept {
 #if OASISKV_SCORE_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+                    oasiskv::detail::cpu_has_f16c();
   if (i == score_isa::avx2) {
     return avx2;
   }
@@ -156,9 +157,11 @@ void dot_entries_scalar(const S* base, std::size_t entry_stride, std::span<const
 
 // gcc 12's unmasked AVX-512 conversions start from _mm512_undefined_*(), which -Wuninitialized
 // reports once inlined; the zero-masked forms used below avoid them, this keeps stragglers quiet.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 OASISKV_SCORE_TARGET_AVX2 inline float hsum8(__m256 a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -370,7 +373,9 @@ OASISKV_SCORE_TARGET_AVX2 void dot_entries_avx2(const S* base, std::size_t entry
   }
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
 // exp of 8 floats: Cephes' single-precision polynomial (range reduction by ln 2 in two parts,
 // degree-5 polynomial, the exponent added to the bits), about 2 ulp on [-87.3, 88.7]; inputs
@@ -467,9 +472,11 @@ OASISKV_SCORE_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x
   }
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 // exp8_avx2 on 16 floats.
 OASISKV_SCORE_TARGET_AVX512 inline __m512 exp16_avx512(__m512 x) {
@@ -559,7 +566,9 @@ OASISKV_SCORE_TARGET_AVX512 inline void add_scaled_avx512(float* acc, const floa
   }
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif  // OASISKV_SCORE_X86
 
 //! @brief `out[i] = exp(scale * (x[i] - m))` for `i < count` (`x` finite; `out` may be `x`);
@@ -654,9 +663,11 @@ struct entry_id_stats {
 };
 
 #if OASISKV_SCORE_X86
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 // One pass, 16 ids at a time (each beside its predecessor, loaded one id back).
 OASISKV_SCORE_TARGET_AVX512 inline entry_id_stats entry_id_stats_avx512(
     std::span<const std::uint32_t> ids) {
@@ -680,7 +691,9 @@ OASISKV_SCORE_TARGET_AVX512 inline entry_id_stats entry_id_stats_avx512(
   }
   return {t, steps};
 }
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #endif
 
 // Two branch-free passes (a max and a count) that the compiler vectorises.

@@ -2,6 +2,7 @@
 // and one sparse decode step over blocks staged from a capacity tier.
 #include <oasiskv/oasiskv.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <deque>
 #include <random>
@@ -96,6 +97,21 @@ int main() {
   kernel.decode(p);
   if (out1 != out2 || lse1 != lse2) {
     std::puts("consumer: staged and in-place attention differ");
+    return 1;
+  }
+  // A predictor over the same blocks: summaries, scoring kernels, aggregation and top-k.
+  oasiskv::minmax_summary<> summary(layout, blocks);
+  std::vector<std::uint32_t> ids(blocks);
+  for (std::uint32_t b = 0; b < blocks; ++b) {
+    const std::uint32_t first = b * layout.tokens_per_block;
+    summary.update(b, slow.slot_data(b), 0, std::min(layout.tokens_per_block, tokens - first));
+    ids[b] = b;
+  }
+  oasiskv::lookahead_predictor<oasiskv::minmax_summary<>> predictor;
+  oasiskv::selection sel;
+  predictor.select({layout, tokens, &summary, ids, {q.data(), nullptr, 1}}, {3, 1, 1}, sel);
+  if (sel.blocks.size() != 3 || sel.blocks.front() != 0 || sel.blocks.back() != blocks - 1) {
+    std::puts("consumer: the selection lacks the sink or the newest block");
     return 1;
   }
   std::printf("consumer ok (oasiskv %d.%d.%d, %zu of %zu fast slots used)\n",

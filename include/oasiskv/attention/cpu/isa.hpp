@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "oasiskv/core/cpu_features.hpp"
 #include "oasiskv/core/error.hpp"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -46,7 +47,7 @@ inline bool isa_supported(cpu_isa i) noexcept {
   // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+                    oasiskv::detail::cpu_has_f16c();
   switch (i) {
     case cpu_isa::avx2:
       return avx2;
