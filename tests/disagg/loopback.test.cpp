@@ -11,12 +11,14 @@
 #include "disagg/disagg_support.hpp"
 #include "oasiskv/disagg/ucx_remote_tier.hpp"
 #include "oasiskv/tier/host_tier.hpp"
+#include "support/expect_error.hpp"
 
 using namespace oasiskv::disagg;
 using disagg_test::layout;
 using oasiskv::block_copy;
 using oasiskv::errc;
 using oasiskv::host_tier;
+using oasiskv::testing::expect_error;
 
 namespace {
 
@@ -253,7 +255,11 @@ TEST_CASE("slots of no opened request and writes are refused before anything mov
   CHECK_THROWS_AS(engine.submit(tier, local, copies), oasiskv::error);  // nothing opened yet
   const opened_msg o = tier.open(1);
   copies = {{o.blocks[0].slot, 0}, {o.blocks[1].slot, 0}};  // one destination twice
-  CHECK_THROWS_AS(engine.submit(tier, local, copies), oasiskv::error);
+  expect_error([&] { engine.submit(tier, local, copies); }, errc::invalid_slot,
+               "copy 1 writes slot 0 twice");
+  copies = {{o.blocks[0].slot, 1}, {o.blocks[1].slot, 8}};  // beyond the destination
+  expect_error([&] { engine.submit(tier, local, copies); }, errc::invalid_slot,
+               "copy 1 writes slot 8, outside the destination's 8 slots");
   std::vector<std::byte> buf(layout.block_bytes());
   CHECK_THROWS_AS(tier.write_block(o.blocks[0].slot, buf.data()), oasiskv::error);
   CHECK_THROWS_AS(tier.open(99), oasiskv::error);  // never published

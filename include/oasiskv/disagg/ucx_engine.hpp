@@ -12,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <span>
 #include <string>
 #include <thread>
@@ -23,6 +22,7 @@
 #include "oasiskv/concepts/transfer_engine.hpp"
 #include "oasiskv/disagg/ucx_common.hpp"
 #include "oasiskv/disagg/ucx_peer.hpp"
+#include "oasiskv/transfer/detail/sorted_set.hpp"
 
 namespace oasiskv::disagg {
 
@@ -157,15 +157,24 @@ class ucx_engine {
     if (!(src.layout() == dst.layout())) [[unlikely]] {
       oasiskv::detail::raise(errc::layout_mismatch, "ucx_engine::submit: layouts differ");
     }
-    auto b = make_batch(src, deadline);
-    std::set<slot_id> dsts;
+    thread_local std::vector<slot_id> dsts, sorted;  // per-thread scratch: no allocation
+    dsts.clear();
+    for (std::size_t i = 0; i < copies.size(); ++i) {
+      if (copies[i].dst >= dst.num_slots()) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_slot, "ucx_engine::submit: copy ", i, " writes slot ",
+                               copies[i].dst, ", outside the destination's ", dst.num_slots(),
+                               " slots");
+      }
+      dsts.push_back(copies[i].dst);
+    }
+    if (const std::size_t i = oasiskv::detail::first_repeat<slot_id>(dsts, sorted);
+        i != dsts.size()) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_slot, "ucx_engine::submit: copy ", i, " writes slot ",
+                             copies[i].dst, " twice");
+    }
+    auto b = make_batch(src, deadline, copies.size());
     for (std::size_t i = 0; i < copies.size(); ++i) {
       const block_copy c = copies[i];
-      if (c.dst >= dst.num_slots() || !dsts.insert(c.dst).second) [[unlikely]] {
-        oasiskv::detail::raise(errc::invalid_slot, "ucx_engine::submit: copy ", i, " writes slot ",
-                               c.dst, ", outside the destination's ", dst.num_slots(),
-                               " slots or twice");
-      }
       add_op(*b, src, c.src, dst.slot_data(c.dst), i);
       b->dst_slots.push_back({&dst, c.dst});
     }
@@ -176,7 +185,7 @@ class ucx_engine {
   template <remote_block_source Src>
   ticket submit_reads(const Src& src, std::span<const block_read> reads,
                       std::chrono::milliseconds deadline = {}) {
-    auto b = make_batch(src, deadline);
+    auto b = make_batch(src, deadline, reads.size());
     for (std::size_t i = 0; i < reads.size(); ++i) {
       if (reads[i].out == nullptr) [[unlikely]] {
         oasiskv::detail::raise(errc::invalid_argument, "ucx_engine: read ", i, " has no buffer");
@@ -240,12 +249,55 @@ class ucx_engine {
     std::chrono::milliseconds budget{};
   };
 
+  // A fresh batch, or a finished one reused with its vectors' capacity (finish() keeps a few):
+  // in steady state a submit allocates nothing.
   template <class Src>
-  std::unique_ptr<batch> make_batch(const Src& src, std::chrono::milliseconds deadline) {
-    auto b = std::make_unique<batch>();
+  std::unique_ptr<batch> make_batch(const Src& src, std::chrono::milliseconds deadline,
+                                    std::size_t blocks) {
+    std::unique_ptr<batch> b;
+    {
+      std::lock_guard lock(mutex_);
+      if (!spare_.empty()) {
+        b = std::move(spare_.back());
+        spare_.pop_back();
+      }
+    }
+    if (!b) {
+      b = std::make_unique<batch>();
+    }
     b->peer = src.peer();
     b->budget = deadline.count() > 0 ? deadline : options_.deadline;
+    b->ops.reserve(blocks);
+    b->gen_addr.reserve(blocks);
+    b->gen_expected.reserve(blocks);
+    b->gen_slots.reserve(blocks);
+    b->dst_slots.reserve(blocks);
     return b;
+  }
+
+  static constexpr std::size_t max_spare_batches = 64;
+
+  // `mutex_` held. Keeps a finished batch (no callback pending) for reuse, emptied.
+  void recycle(std::unique_ptr<batch> b) {
+    if (spare_.size() >= max_spare_batches) {
+      return;
+    }
+    b->id = 0;
+    b->peer = nullptr;
+    b->ops.clear();
+    b->gen_addr.clear();
+    b->gen_expected.clear();
+    b->gen_read.clear();
+    b->gen_slots.clear();
+    b->dst_slots.clear();
+    b->next = 0;
+    b->outstanding = 0;
+    b->gets = 0;
+    b->gen_phase = false;
+    b->stale = false;
+    b->status = UCS_OK;
+    b->failure.clear();
+    spare_.push_back(std::move(b));
   }
 
   template <class Src>
@@ -475,6 +527,8 @@ class ucx_engine {
         unfinished_.erase(id);
         if (b.outstanding != 0) {
           zombies_.push_back(std::move(node.mapped()));  // late callbacks still point at it
+        } else {
+          recycle(std::move(node.mapped()));
         }
       }
     }
@@ -533,10 +587,11 @@ class ucx_engine {
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::vector<std::unique_ptr<batch>> pending_;  // submitted, not yet taken up
-  std::set<std::uint64_t> unfinished_;           // ids of pending and running batches
+  std::vector<std::unique_ptr<batch>> pending_;            // submitted, not yet taken up
+  oasiskv::detail::sorted_set<std::uint64_t> unfinished_;  // ids of pending and running batches
+  std::vector<std::unique_ptr<batch>> spare_;              // finished batches kept for reuse
   std::map<std::uint64_t, std::string> failures_;
-  std::set<dst_key> quarantined_;
+  oasiskv::detail::sorted_set<dst_key> quarantined_;
   std::uint64_t issued_ = 0;
   statistics stats_{};
   std::atomic<bool> stop_ = false;       // written under `mutex_`

@@ -3,20 +3,19 @@
 //! its own engine (UCX gets for a remote part, memcpy for a local one).
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <exception>
-#include <map>
 #include <mutex>
-#include <set>
 #include <span>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "oasiskv/concepts/transfer_engine.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/tier/composite_tier.hpp"
+#include "oasiskv/transfer/detail/sorted_set.hpp"
 
 namespace oasiskv {
 
@@ -67,23 +66,29 @@ class routing_engine {
                     dst.layout().block_bytes(), ")");
     }
     const slot_id n = src.first_slots();
-    std::vector<block_copy> a, b;
-    std::unordered_set<slot_id> dsts;
+    // Per-thread scratch: a submit allocates nothing once these have grown.
+    thread_local std::vector<block_copy> a, b;
+    thread_local std::vector<slot_id> dsts, sorted;
+    a.clear();
+    b.clear();
+    dsts.clear();
     for (std::size_t i = 0; i < copies.size(); ++i) {
       const block_copy c = copies[i];
       if (c.src >= src.num_slots()) [[unlikely]] {
         detail::raise(errc::invalid_slot, "routing_engine::submit: copy ", i, " reads slot ", c.src,
                       " of a composite tier of ", src.num_slots(), " slots");
       }
-      if (!dsts.insert(c.dst).second) [[unlikely]] {
-        detail::raise(errc::invalid_argument, "routing_engine::submit: copy ", i, " writes slot ",
-                      c.dst, " which an earlier copy of the batch writes");
-      }
+      dsts.push_back(c.dst);
       if (c.src < n) {
         a.push_back(c);
       } else {
         b.push_back({c.src - n, c.dst});
       }
+    }
+    if (const std::size_t i = detail::first_repeat<slot_id>(dsts, sorted); i != dsts.size())
+        [[unlikely]] {
+      detail::raise(errc::invalid_argument, "routing_engine::submit: copy ", i, " writes slot ",
+                    copies[i].dst, " which an earlier copy of the batch writes");
     }
     const std::uint64_t id = reserve(&dst, copies);
     ticket t;
@@ -177,24 +182,35 @@ class routing_engine {
       }
     }
     const std::uint64_t id = ++issued_;
-    auto& mine = active_[id];
+    std::vector<dst_key> mine;
+    if (!spare_.empty()) {  // a retired batch's list, its capacity kept
+      mine = std::move(spare_.back());
+      spare_.pop_back();
+    }
     for (const block_copy& c : copies) {
       writing_.insert({dst, c.dst});
       mine.push_back({dst, c.dst});
     }
+    active_.emplace_back(id, std::move(mine));
     return id;
   }
 
   // Lock held. Batch `id` has finished (or never started): its destinations are free.
   void retire(std::uint64_t id) const {
-    auto it = active_.find(id);
+    const auto it =
+        std::find_if(active_.begin(), active_.end(), [id](const auto& a) { return a.first == id; });
     if (it == active_.end()) {
       return;
     }
     for (const dst_key& k : it->second) {
       writing_.erase(k);
     }
-    active_.erase(it);
+    it->second.clear();
+    spare_.push_back(std::move(it->second));
+    if (it != active_.end() - 1) {
+      *it = std::move(active_.back());
+    }
+    active_.pop_back();
   }
 
   template <class E, class T>
@@ -217,8 +233,11 @@ class routing_engine {
   E2 second_;
   mutable std::mutex mutex_;
   std::uint64_t issued_ = 0;
-  mutable std::map<std::uint64_t, std::vector<dst_key>> active_;  // unfinished batches
-  mutable std::set<dst_key> writing_;  // their destinations (unique: checked at submit)
+  // Unfinished batches and their destinations; the lists of retired ones, kept for reuse. Flat
+  // vectors: a submit and its retirement allocate nothing in steady state.
+  mutable std::vector<std::pair<std::uint64_t, std::vector<dst_key>>> active_;
+  mutable std::vector<std::vector<dst_key>> spare_;
+  mutable detail::sorted_set<dst_key> writing_;  // their destinations (unique: checked at submit)
 };
 
 }  // namespace oasiskv
