@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -16,12 +17,12 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "oasiskv/concepts/tier_backend.hpp"
 #include "oasiskv/concepts/transfer_engine.hpp"
 #include "oasiskv/core/error.hpp"
+#include "oasiskv/transfer/detail/sorted_set.hpp"
 
 namespace oasiskv {
 
@@ -85,7 +86,7 @@ class cpu_copy_engine {
                     "cpu_copy_engine::submit: source and destination layouts differ (block bytes ",
                     src.layout().block_bytes(), " vs ", dst.layout().block_bytes(), ")");
     }
-    auto job = std::make_unique<batch>();
+    std::unique_ptr<batch> job = take_spare();
     job->block_bytes = src.layout().block_bytes();
     job->copies.reserve(copies.size());
     job->src_tier = &src;
@@ -117,11 +118,13 @@ class cpu_copy_engine {
         copy_batch<Src, Dst>(*job);
         ++stats_.inline_batches;
         retire(*job, {});
-        return ticket{job->id};  // nobody holds this ticket yet: no waiter to wake
+        const ticket t{job->id};
+        recycle(std::move(job));
+        return t;  // nobody holds this ticket yet: no waiter to wake
       }
     }
     for (const block_copy& c : job->copies) {
-      ++reading_[{job->src_tier, c.src}];
+      reading_.insert({job->src_tier, c.src});
       writing_.insert({job->dst_tier, c.dst});
     }
     const ticket t{job->id};
@@ -178,10 +181,8 @@ class cpu_copy_engine {
     const void* tier;
     slot_id slot;
     friend bool operator==(const slot_key&, const slot_key&) = default;
-  };
-  struct slot_key_hash {
-    std::size_t operator()(const slot_key& k) const noexcept {
-      return std::hash<const void*>{}(k.tier) ^ (std::size_t{k.slot} * 0x9e3779b97f4a7c15ull);
+    friend bool operator<(const slot_key& a, const slot_key& b) noexcept {
+      return std::less<const void*>{}(a.tier, b.tier) || (a.tier == b.tier && a.slot < b.slot);
     }
   };
 
@@ -276,14 +277,17 @@ class cpu_copy_engine {
   // read a half-written block), nor write a slot an unfinished batch reads or writes; within the
   // batch, a destination may appear once and may not also be a source.
   void check_hazards(const batch& b) const {
-    std::unordered_set<slot_key, slot_key_hash> dsts;
-    dsts.reserve(b.copies.size());
-    for (std::size_t i = 0; i < b.copies.size(); ++i) {
-      const slot_key d{b.dst_tier, b.copies[i].dst};
-      if (!dsts.insert(d).second) [[unlikely]] {
-        detail::raise(errc::invalid_argument, "cpu_copy_engine::submit: copy ", i, " writes slot ",
-                      d.slot, " which an earlier copy of the batch writes");
-      }
+    dst_keys_.clear();
+    for (const block_copy& c : b.copies) {
+      dst_keys_.push_back({b.dst_tier, c.dst});
+    }
+    if (const std::size_t i = detail::first_repeat<slot_key>(dst_keys_, sorted_keys_);
+        i != dst_keys_.size()) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "cpu_copy_engine::submit: copy ", i, " writes slot ",
+                    dst_keys_[i].slot, " which an earlier copy of the batch writes");
+    }
+    for (std::size_t i = 0; i < dst_keys_.size(); ++i) {
+      const slot_key& d = dst_keys_[i];
       if (writing_.contains(d) || reading_.contains(d)) [[unlikely]] {
         detail::raise(errc::slot_in_flight, "cpu_copy_engine::submit: copy ", i, " writes slot ",
                       d.slot, " which an unfinished batch still ",
@@ -296,11 +300,40 @@ class cpu_copy_engine {
         detail::raise(errc::slot_in_flight, "cpu_copy_engine::submit: copy ", i, " reads slot ",
                       s.slot, " which an unfinished batch still writes");
       }
-      if (dsts.contains(s)) [[unlikely]] {
+      if (std::binary_search(sorted_keys_.begin(), sorted_keys_.end(), s)) [[unlikely]] {
         detail::raise(errc::invalid_argument, "cpu_copy_engine::submit: copy ", i, " reads slot ",
                       s.slot, " which the same batch writes");
       }
     }
+  }
+
+  // A batch from the spare list, else a new one.
+  std::unique_ptr<batch> take_spare() {
+    {
+      std::lock_guard lock(mutex_);
+      if (!spare_.empty()) {
+        std::unique_ptr<batch> b = std::move(spare_.back());
+        spare_.pop_back();
+        return b;
+      }
+    }
+    return std::make_unique<batch>();
+  }
+
+  static constexpr std::size_t max_spare_batches = 64;
+
+  // Lock held. Keeps a finished batch for reuse, emptied, with its vector's capacity: in steady
+  // state a submit allocates nothing.
+  void recycle(std::unique_ptr<batch> b) {
+    if (spare_.size() >= max_spare_batches) {
+      return;
+    }
+    b->id = 0;
+    b->src_tier = nullptr;
+    b->dst_tier = nullptr;
+    b->copies.clear();
+    b->run = nullptr;
+    spare_.push_back(std::move(b));
   }
 
   void check_issued(const ticket& t) const {
@@ -344,13 +377,11 @@ class cpu_copy_engine {
       }
       lock.lock();
       for (const block_copy& c : job->copies) {
-        auto it = reading_.find({job->src_tier, c.src});
-        if (--it->second == 0) {
-          reading_.erase(it);
-        }
+        reading_.erase({job->src_tier, c.src});
         writing_.erase({job->dst_tier, c.dst});
       }
       retire(*job, failure);
+      recycle(std::move(job));
       done_cv_.notify_all();
     }
   }
@@ -360,8 +391,13 @@ class cpu_copy_engine {
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::deque<std::unique_ptr<batch>> queue_;
-  std::unordered_map<slot_key, std::uint32_t, slot_key_hash> reading_;
-  std::unordered_set<slot_key, slot_key_hash> writing_;
+  // Slots that unfinished batches read (once per batch that reads it) and write. Sorted vectors:
+  // a submit and its retirement allocate nothing once they have grown.
+  oasiskv::detail::sorted_set<slot_key> reading_;
+  oasiskv::detail::sorted_set<slot_key> writing_;
+  std::vector<std::unique_ptr<batch>> spare_;  // finished batches kept for reuse
+  mutable std::vector<slot_key> dst_keys_;     // check_hazards' scratch (lock held)
+  mutable std::vector<slot_key> sorted_keys_;
   std::unordered_map<std::uint64_t, std::string> failures_;
   std::uint64_t issued_ = 0;
   std::uint64_t completed_ = 0;
