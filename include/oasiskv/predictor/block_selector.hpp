@@ -144,10 +144,6 @@ class block_selector {
     return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_ps(inf));
   }
 
-  OASISKV_SCORE_TARGET_AVX512 static __mmask16 tail_mask(std::uint32_t i, std::uint32_t m) {
-    return m - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (m - i)) - 1u);
-  }
-
   // keep_top_scalar with 16 candidates per step. The lower bound of the k-th highest score is
   // the least maximum of 16 x c disjoint groups (c chunks of s vectors; a group is one lane of
   // a chunk), c the fewest giving at least k groups. The pool is built by compress-stores and
@@ -175,7 +171,7 @@ class block_selector {
     float* pool = pool_.data();
     std::uint32_t pooled = 0;
     for (std::uint32_t i = 0; i < m; i += 16) {
-      const __mmask16 valid = tail_mask(i, m);
+      const __mmask16 valid = detail::tail16(i, m);
       const __m512 v = load_ranked(cand, i, valid);
       const __mmask16 in = _mm512_mask_cmp_ps_mask(valid, v, lower, _CMP_GE_OQ);
       _mm512_storeu_ps(pool + pooled, _mm512_maskz_compress_ps(in, v));
@@ -186,7 +182,7 @@ class block_selector {
     const __m512 thr = _mm512_set1_ps(threshold);
     std::uint32_t above = 0;
     for (std::uint32_t i = 0; i + 1 < k; i += 16) {
-      const __mmask16 valid = tail_mask(i, k - 1);
+      const __mmask16 valid = detail::tail16(i, k - 1);
       const __m512 v = _mm512_maskz_loadu_ps(valid, pool + i);
       above += static_cast<std::uint32_t>(
           __builtin_popcount(_mm512_mask_cmp_ps_mask(valid, v, thr, _CMP_GT_OQ)));
@@ -199,7 +195,7 @@ class block_selector {
     std::uint32_t kept = 0;
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (std::uint32_t i = 0; i < m; i += 16) {
-      const __mmask16 valid = tail_mask(i, m);
+      const __mmask16 valid = detail::tail16(i, m);
       const __m512 v = load_ranked(cand, i, valid);
       __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, v, thr, _CMP_GT_OQ);
       unsigned eq = _mm512_mask_cmp_ps_mask(valid, v, thr, _CMP_EQ_OQ);
