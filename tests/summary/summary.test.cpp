@@ -337,6 +337,90 @@ TEST_CASE_TEMPLATE("minmax_summary: an upper bound of every token's dot product"
   }
 }
 
+TEST_CASE_TEMPLATE("minmax_summary: every row group and sign pattern, on every path", Storage, f16,
+                   bf16, float) {
+  // The vector kernels score rows in groups of up to 4, visiting the dimensions grouped by
+  // which rows are negative there. Rows 0..n-1 take every sign pattern of their group in the
+  // first 16 dimensions, zeros (+0 and -0) after; the reference is the bound in double from the
+  // stored bounds: sum over x of q * (q < 0 ? min : max).
+  const kv_layout l{1, 8, 2, 64, 16, dtype::f32};
+  const std::uint32_t nblocks = 40;  // 3 tiles, the last partial
+  host_tier pool(l, nblocks);
+  testing::fill_random(pool, 5);
+  std::vector<std::uint32_t> all(nblocks);
+  for (std::uint32_t b = 0; b < nblocks; ++b) {
+    all[b] = b;
+  }
+  const std::vector<std::uint32_t> scattered{33, 2, 17, 16, 5, 39, 4, 31};
+  for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
+    if (!score_isa_supported(isa)) {
+      continue;
+    }
+    CAPTURE(static_cast<int>(isa));
+    minmax_summary<Storage> s(l, nblocks, isa);
+    for (std::uint32_t b = 0; b < nblocks; ++b) {
+      s.update(b, pool.slot_data(b), 0, b % 7 == 3 ? 5 : 16);
+    }
+    for (std::uint32_t n = 1; n <= 13; ++n) {
+      CAPTURE(n);
+      std::vector<float> q = random_queries(n, l.head_dim, 100 + n, 0.0f);
+      for (std::uint32_t r = 0; r < n; ++r) {
+        // Within any group of <= 4 consecutive rows, dimension x < 16 is negative exactly in
+        // the rows whose bit (row mod 4) of x is set: every pattern of the group appears.
+        for (std::uint32_t x = 0; x < 16; ++x) {
+          const float m = std::abs(q[r * l.head_dim + x]) + 0.25f;
+          q[r * l.head_dim + x] = ((x >> (r % 4)) & 1u) != 0 ? -m : m;
+        }
+        q[r * l.head_dim + 16 + r % 8] = 0.0f;
+        q[r * l.head_dim + 24 + r % 8] = -0.0f;
+      }
+      const std::vector<std::uint32_t>* const id_lists[] = {&all, &scattered};
+      for (const auto* ids : id_lists) {
+        const auto got = scores(s, 1, *ids, q, n);
+        for (std::size_t i = 0; i < ids->size(); ++i) {
+          const std::vector<Storage> bd = s.bounds(1, (*ids)[i]);
+          for (std::uint32_t r = 0; r < n; ++r) {
+            double ref = 0.0, mag = 0.0;
+            for (std::uint32_t x = 0; x < l.head_dim; ++x) {
+              const double qx = q[r * l.head_dim + x];
+              const double b = detail::widen(bd[(qx < 0.0 ? l.head_dim : 0) + x]);
+              ref += qx * b;
+              mag += std::abs(qx * b);
+            }
+            CHECK(std::abs(got[i * n + r] - ref) <= 1e-6 * mag + 1e-6);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("minmax_summary: an overflowed minimum does not spoil a positive query's bound") {
+  // A key of -1e6 stores an infinite f16 minimum in dimension 0. A row positive there meets
+  // only the maximum: its bound stays finite on every path; a negative row meets -inf: +inf.
+  const kv_layout l{1, 1, 1, 8, 4, dtype::f32};
+  host_tier pool(l, 1);
+  std::memset(pool.slot_data(0), 0, l.block_bytes());
+  float* k = reinterpret_cast<float*>(pool.slot_data(0));
+  k[0] = -1e6f;
+  k[8] = 2.0f;  // the second token: dimension 0's maximum is 2
+  for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
+    if (!score_isa_supported(isa)) {
+      continue;
+    }
+    CAPTURE(static_cast<int>(isa));
+    minmax_summary<f16> s(l, 1, isa);
+    s.update(0, pool.slot_data(0), 0, 2);
+    const std::vector<std::uint32_t> ids{0};
+    std::vector<float> q(16, 0.0f), out(2);
+    q[0] = 1.5f;   // row 0: meets the maximum, 2
+    q[8] = -1.0f;  // row 1: meets the infinite minimum
+    s.score(0, ids, q.data(), 2, out.data());
+    CHECK(out[0] == 3.0f);
+    CHECK(out[1] == std::numeric_limits<float>::infinity());
+  }
+}
+
 TEST_CASE("quantized_minmax_summary: an upper bound of every token's dot product, on every path") {
   for (const dtype dt : all_dtypes) {
     for (const std::uint32_t d : {24u, 64u, 128u}) {

@@ -2,7 +2,10 @@
 //! @brief The scoring kernels of `minmax_summary`. Entries are stored in tiles of 16,
 //! interleaved per dimension, so that one vector holds one dimension's bound for 16 entries:
 //! scoring is then one broadcast multiply-add per (query row, dimension, 16 entries) with no
-//! horizontal reduction, and the f16 conversions are shared by every row.
+//! horizontal reduction. Of a dimension's two bounds a row needs one (the maximum where its
+//! query is >= 0, the minimum where it is negative); the vector kernels visit the dimensions
+//! grouped by which rows are negative, so that choice is fixed per group, and the f16
+//! conversions are shared by up to 4 rows.
 #pragma once
 
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include <cstring>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "oasiskv/core/dtype.hpp"
@@ -86,9 +90,9 @@ void minmax_lanes_scalar(const S* tile, const float* bias, std::uint32_t d, std:
       const float* qn = qp + d;
       float acc[8] = {};
       for (std::uint32_t x = 0; x < d; x += 8) {
-        for (std::uint32_t e = 0; e < 8; ++e) {
-          acc[e] += qp[x + e] * widen(tile[minmax_tile_at<S>(x + e, 0, j)]);
-          acc[e] += qn[x + e] * widen(tile[minmax_tile_at<S>(x + e, 1, j)]);
+        for (std::uint32_t e = 0; e < 8; ++e) {  // the one nonzero term, as the vector paths
+          acc[e] += qn[x + e] < 0.0f ? qn[x + e] * widen(tile[minmax_tile_at<S>(x + e, 1, j)])
+                                     : qp[x + e] * widen(tile[minmax_tile_at<S>(x + e, 0, j)]);
         }
       }
       out.at(i0 + k, r) =
@@ -97,6 +101,80 @@ void minmax_lanes_scalar(const S* tile, const float* bias, std::uint32_t d, std:
     }
   }
 }
+
+//! @brief Rows per group of the vector kernels: a group's dimensions are split by sign pattern,
+//! 2^4 of them at most.
+inline constexpr std::uint32_t minmax_group_rows = 4;
+
+//! @brief Up to 4 query rows prepared for the vector kernels. In q+ . max + q- . min one term is
+//! zero for each (row, dimension): a row meets a dimension's minimum where its query is
+//! negative, its maximum elsewhere. The group's dimensions are ordered by sign pattern (bit r:
+//! row r is negative), so within a pattern every row's choice is fixed: one multiply-add per
+//! (row, dimension) instead of two, and a dimension that every row meets on the same side
+//! widens only that bound.
+struct minmax_row_group {
+  std::uint32_t rows = 0;                                   //!< 1..4
+  std::uint32_t first = 0;                                  //!< the group's first row of `split`
+  std::uint32_t begin[(1u << minmax_group_rows) + 1] = {};  //!< pattern p: [begin[p], begin[p+1])
+  //! [d] where the i-th dimension (by pattern) starts in a tile: `minmax_tile_at(x, 0, 0)`
+  const std::uint32_t* at = nullptr;
+  const float* q = nullptr;  //!< [d][4] row r's query at the i-th dimension: q[i * 4 + r]
+};
+
+//! @brief The row groups of `split` (`[n][q+ (d)][q- (d)]`), as even as 4 rows per group allow.
+class minmax_row_plan {
+ public:
+  std::span<const minmax_row_group> build(const float* split, std::uint32_t n, std::uint32_t d) {
+    const std::uint32_t count = (n + minmax_group_rows - 1) / minmax_group_rows;
+    groups_.resize(count);
+    at_.resize(std::size_t{count} * d);
+    q_.resize(std::size_t{count} * minmax_group_rows * d);
+    pattern_.resize(d);
+    std::uint32_t first = 0;
+    for (std::uint32_t k = 0; k < count; ++k) {
+      minmax_row_group& g = groups_[k];
+      g.rows = n / count + (k < n % count ? 1 : 0);
+      g.first = first;
+      first += g.rows;
+      std::uint32_t* at_dim = at_.data() + std::size_t{k} * d;
+      float* q = q_.data() + std::size_t{k} * minmax_group_rows * d;
+      std::uint32_t at[(1u << minmax_group_rows) + 1] = {};
+      for (std::uint32_t x = 0; x < d; ++x) {
+        std::uint32_t p = 0;
+        for (std::uint32_t r = 0; r < g.rows; ++r) {
+          p |= (split[(std::size_t{g.first + r} * 2 + 1) * d + x] < 0.0f ? 1u : 0u) << r;
+        }
+        pattern_[x] = static_cast<std::uint8_t>(p);
+        ++at[p + 1];
+      }
+      for (std::uint32_t p = 0; p < (1u << minmax_group_rows); ++p) {
+        at[p + 1] += at[p];
+      }
+      std::copy(std::begin(at), std::end(at), std::begin(g.begin));
+      for (std::uint32_t x = 0; x < d; ++x) {
+        const std::uint32_t i = at[pattern_[x]]++;
+        at_dim[i] = x * 2 * minmax_tile_lanes;  // both layouts: a dimension is 32 elements
+        for (std::uint32_t r = 0; r < minmax_group_rows; ++r) {  // rows past the group's: 0
+          float v = 0.0f;
+          if (r < g.rows) {
+            const float* s = split + std::size_t{g.first + r} * 2 * d;
+            v = s[x] + s[d + x];  // the nonzero one of q+, q-
+          }
+          q[std::size_t{i} * minmax_group_rows + r] = v;
+        }
+      }
+      g.at = at_dim;
+      g.q = q;
+    }
+    return groups_;
+  }
+
+ private:
+  std::vector<minmax_row_group> groups_;
+  std::vector<std::uint32_t> at_;
+  std::vector<float> q_;
+  std::vector<std::uint8_t> pattern_;
+};
 
 #if OASISKV_SCORE_X86
 
@@ -125,76 +203,118 @@ OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const bf16* t, std::uint32
       _mm512_maskz_and_epi32(0xffff, w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// R rows against the 16 entries of a tile: res[r * 16 + lane]. Separate accumulators for the
-// max and min halves give 2R independent FMA chains.
-template <int R, class S>
-OASISKV_SCORE_TARGET_AVX512 inline void minmax_tile_avx512(const S* tile, const float* bias,
-                                                           std::uint32_t d, const float* split,
-                                                           float* res) {
-  __m512 am[R], an[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    am[r] = _mm512_setzero_ps();
-    an[r] = _mm512_setzero_ps();
+// One bound of the dimension at element `at` of a tile (0 = max, 1 = min), widened to f32.
+template <int Which>
+OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const float* t) {
+  return _mm512_loadu_ps(t + Which * 16);
+}
+template <int Which>
+OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const f16* t) {
+  return load16(t + Which * 16);
+}
+template <int Which>
+OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const bf16* t) {
+  __m512 mx, mn;
+  load_bounds16(t, 0, mx, mn);
+  return Which == 0 ? mx : mn;
+}
+
+// Position i of a group's order, of sign pattern P (bit r set: row r of the group is negative
+// there), into acc[K][row]. Every row meets the same bound of the dimension when P is 0 or all
+// ones, so only that one is widened; a row takes one multiply-add (q+ . max + q- . min has one
+// zero term). `pf` walks the next tile, a dimension per position: in a decode loop the
+// summaries are evicted from L2 between calls, and this tile's order is not sequential.
+template <int R, unsigned P, int K, class S>
+[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX512 inline void minmax_step_avx512(
+    const S* tile, const minmax_row_group& g, std::uint32_t i, const S*& pf, __m512 (&acc)[2][R]) {
+  constexpr unsigned all = (1u << R) - 1;
+  _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
+  if constexpr (sizeof(S) == 4) {
+    _mm_prefetch(reinterpret_cast<const char*>(pf + 16), _MM_HINT_T0);
   }
-  for (std::uint32_t x = 0; x < d; ++x) {
-    // A dimension of a tile is 64 bytes (f16/bf16) or 128 (f32); run 8 dimensions ahead, into
-    // the next tile at the end: in a decode loop the summaries are evicted from L2 between calls.
-    _mm_prefetch(reinterpret_cast<const char*>(tile + std::size_t{x + 8} * 32), _MM_HINT_T0);
-    __m512 mx, mn;
-    load_bounds16(tile, x, mx, mn);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float* qp = split + std::size_t{2} * d * static_cast<std::size_t>(r);
-      am[r] = _mm512_fmadd_ps(_mm512_set1_ps(qp[x]), mx, am[r]);
-      an[r] = _mm512_fmadd_ps(_mm512_set1_ps(qp[d + x]), mn, an[r]);
-    }
+  pf += 2 * minmax_tile_lanes;
+  const S* t = tile + g.at[i];
+  __m512 mx = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
+  if constexpr (P == 0) {
+    mx = load_bound16<0>(t);
+  } else if constexpr (P == all) {
+    mn = load_bound16<1>(t);
+  } else {
+    load_bounds16(t, 0, mx, mn);
   }
-  const __m512 bv = _mm512_loadu_ps(bias);
-#pragma GCC unroll 8
+  const float* q = g.q + std::size_t{i} * minmax_group_rows;
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(res + 16 * r, _mm512_add_ps(_mm512_add_ps(am[r], an[r]), bv));
+    acc[K][r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r]), ((P >> r) & 1u) != 0 ? mn : mx, acc[K][r]);
   }
 }
 
-// The rows of one run of `count` consecutive lanes of a tile, 8 rows at a time.
+// The positions of sign pattern P, alternating between the two accumulator sets.
+template <int R, unsigned P, class S>
+[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX512 inline void minmax_pattern_avx512(
+    const S* tile, const minmax_row_group& g, const S*& pf, __m512 (&acc)[2][R]) {
+  const std::uint32_t i1 = g.begin[P + 1];
+  std::uint32_t i = g.begin[P];
+  for (; i + 2 <= i1; i += 2) {
+    minmax_step_avx512<R, P, 0>(tile, g, i, pf, acc);
+    minmax_step_avx512<R, P, 1>(tile, g, i + 1, pf, acc);
+  }
+  if (i < i1) {
+    minmax_step_avx512<R, P, 0>(tile, g, i, pf, acc);
+  }
+}
+
+template <int R, class S, unsigned... P>
+[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX512 inline void minmax_patterns_avx512(
+    const S* tile, const minmax_row_group& g, const S* pf, __m512 (&acc)[2][R],
+    std::integer_sequence<unsigned, P...>) {
+  (minmax_pattern_avx512<R, P>(tile, g, pf, acc), ...);
+}
+
+// The R rows of group `g` against the 16 entries of a tile: res[r * 16 + lane].
+template <int R, class S>
+OASISKV_SCORE_TARGET_AVX512 inline void minmax_tile_avx512(const S* tile, const float* bias,
+                                                           std::uint32_t d,
+                                                           const minmax_row_group& g, float* res) {
+  __m512 acc[2][R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    acc[0][r] = _mm512_setzero_ps();
+    acc[1][r] = _mm512_setzero_ps();
+  }
+  minmax_patterns_avx512<R>(tile, g, tile + std::size_t{2} * d * minmax_tile_lanes, acc,
+                            std::make_integer_sequence<unsigned, 1u << R>{});
+  const __m512 bv = _mm512_loadu_ps(bias);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(res + 16 * r, _mm512_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]), bv));
+  }
+}
+
+// The rows of one run of `count` consecutive lanes of a tile, a row group at a time.
 template <class S>
 OASISKV_SCORE_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* bias,
                                                    std::uint32_t d, std::uint32_t lane0,
-                                                   std::uint32_t count, const float* split,
-                                                   std::uint32_t n, const score_sink& out,
-                                                   std::size_t i0) {
-  alignas(64) float res[8 * 16];
-  for (std::uint32_t r0 = 0; r0 < n; r0 += 8) {
-    const std::uint32_t rows = n - r0 < 8 ? n - r0 : 8;
-    const float* s = split + std::size_t{r0} * 2 * d;
-    switch (rows) {
-      case 8:
-        minmax_tile_avx512<8>(tile, bias, d, s, res);
-        break;
-      case 7:
-        minmax_tile_avx512<7>(tile, bias, d, s, res);
-        break;
-      case 6:
-        minmax_tile_avx512<6>(tile, bias, d, s, res);
-        break;
-      case 5:
-        minmax_tile_avx512<5>(tile, bias, d, s, res);
-        break;
+                                                   std::uint32_t count,
+                                                   std::span<const minmax_row_group> groups,
+                                                   const score_sink& out, std::size_t i0) {
+  alignas(64) float res[minmax_group_rows * 16];
+  for (const minmax_row_group& g : groups) {
+    switch (g.rows) {
       case 4:
-        minmax_tile_avx512<4>(tile, bias, d, s, res);
+        minmax_tile_avx512<4>(tile, bias, d, g, res);
         break;
       case 3:
-        minmax_tile_avx512<3>(tile, bias, d, s, res);
+        minmax_tile_avx512<3>(tile, bias, d, g, res);
         break;
       case 2:
-        minmax_tile_avx512<2>(tile, bias, d, s, res);
+        minmax_tile_avx512<2>(tile, bias, d, g, res);
         break;
       default:
-        minmax_tile_avx512<1>(tile, bias, d, s, res);
+        minmax_tile_avx512<1>(tile, bias, d, g, res);
         break;
     }
-    out.put(res, 16, lane0, count, r0, rows, i0);
+    out.put(res, 16, lane0, count, g.first, g.rows, i0);
   }
 }
 
@@ -216,62 +336,96 @@ OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const bf16* t, std::uint32_t 
   mn = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// R <= 4 rows against lanes [8 * half, 8 * half + 8) of a tile: res[r * 8 + lane - 8 * half].
-template <int R, class S>
-OASISKV_SCORE_TARGET_AVX2 inline void minmax_half_avx2(const S* tile, const float* bias,
-                                                       std::uint32_t d, std::uint32_t half,
-                                                       const float* split, float* res) {
-  __m256 am[R], an[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    am[r] = _mm256_setzero_ps();
-    an[r] = _mm256_setzero_ps();
-  }
-  for (std::uint32_t x = 0; x < d; ++x) {
+// One bound (0 = max, 1 = min) of lanes [8 * half, 8 * half + 8) of the dimension at `t`.
+template <int Which, class S>
+OASISKV_SCORE_TARGET_AVX2 inline __m256 load_bound8(const S* t, std::uint32_t half) {
+  if constexpr (std::is_same_v<S, bf16>) {
     __m256 mx, mn;
-    load_bounds8(tile, x, half, mx, mn);
+    load_bounds8(t, 0, half, mx, mn);
+    return Which == 0 ? mx : mn;
+  } else {
+    return load8(t + Which * 16 + half * 8);
+  }
+}
+
+// The AVX2 form of minmax_pattern_avx512: both halves of the tile, acc[half][row].
+template <int R, unsigned P, class S>
+[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX2 inline void minmax_pattern_avx2(
+    const S* tile, const minmax_row_group& g, __m256 (&acc)[2][R]) {
+  constexpr unsigned all = (1u << R) - 1;
+  const std::uint32_t i1 = g.begin[P + 1];
+  for (std::uint32_t i = g.begin[P]; i < i1; ++i) {
+    const S* t = tile + g.at[i];
+    __m256 mx[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#pragma GCC unroll 2
+    for (std::uint32_t h = 0; h < 2; ++h) {
+      if constexpr (P == 0) {
+        mx[h] = load_bound8<0>(t, h);
+      } else if constexpr (P == all) {
+        mn[h] = load_bound8<1>(t, h);
+      } else {
+        load_bounds8(t, 0, h, mx[h], mn[h]);
+      }
+    }
+    const float* q = g.q + std::size_t{i} * minmax_group_rows;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const float* qp = split + std::size_t{2} * d * static_cast<std::size_t>(r);
-      am[r] = _mm256_fmadd_ps(_mm256_set1_ps(qp[x]), mx, am[r]);
-      an[r] = _mm256_fmadd_ps(_mm256_set1_ps(qp[d + x]), mn, an[r]);
+      const __m256 qv = _mm256_set1_ps(q[r]);
+      const bool neg = ((P >> r) & 1u) != 0;
+      acc[0][r] = _mm256_fmadd_ps(qv, neg ? mn[0] : mx[0], acc[0][r]);
+      acc[1][r] = _mm256_fmadd_ps(qv, neg ? mn[1] : mx[1], acc[1][r]);
     }
   }
-  const __m256 bv = _mm256_loadu_ps(bias + half * 8);
+}
+
+template <int R, class S, unsigned... P>
+[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX2 inline void minmax_patterns_avx2(
+    const S* tile, const minmax_row_group& g, __m256 (&acc)[2][R],
+    std::integer_sequence<unsigned, P...>) {
+  (minmax_pattern_avx2<R, P>(tile, g, acc), ...);
+}
+
+// The R rows of group `g` against the 16 entries of a tile: res[r * 16 + lane].
+template <int R, class S>
+OASISKV_SCORE_TARGET_AVX2 inline void minmax_tile_avx2(const S* tile, const float* bias,
+                                                       const minmax_row_group& g, float* res) {
+  __m256 acc[2][R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(res + 8 * r, _mm256_add_ps(_mm256_add_ps(am[r], an[r]), bv));
+    acc[0][r] = _mm256_setzero_ps();
+    acc[1][r] = _mm256_setzero_ps();
+  }
+  minmax_patterns_avx2<R>(tile, g, acc, std::make_integer_sequence<unsigned, 1u << R>{});
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(res + 16 * r, _mm256_add_ps(acc[0][r], _mm256_loadu_ps(bias)));
+    _mm256_storeu_ps(res + 16 * r + 8, _mm256_add_ps(acc[1][r], _mm256_loadu_ps(bias + 8)));
   }
 }
 
 template <class S>
-OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias, std::uint32_t d,
+OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias,
                                                std::uint32_t lane0, std::uint32_t count,
-                                               const float* split, std::uint32_t n,
+                                               std::span<const minmax_row_group> groups,
                                                const score_sink& out, std::size_t i0) {
-  alignas(32) float res[4 * 8];
-  for (std::uint32_t half = lane0 / 8; half * 8 < lane0 + count; ++half) {
-    const std::uint32_t lo = lane0 > half * 8 ? lane0 : half * 8;
-    const std::uint32_t hi = lane0 + count < half * 8 + 8 ? lane0 + count : half * 8 + 8;
-    for (std::uint32_t r0 = 0; r0 < n; r0 += 4) {
-      const std::uint32_t rows = n - r0 < 4 ? n - r0 : 4;
-      const float* s = split + std::size_t{r0} * 2 * d;
-      switch (rows) {
-        case 4:
-          minmax_half_avx2<4>(tile, bias, d, half, s, res);
-          break;
-        case 3:
-          minmax_half_avx2<3>(tile, bias, d, half, s, res);
-          break;
-        case 2:
-          minmax_half_avx2<2>(tile, bias, d, half, s, res);
-          break;
-        default:
-          minmax_half_avx2<1>(tile, bias, d, half, s, res);
-          break;
-      }
-      out.put(res, 8, lo - half * 8, hi - lo, r0, rows, i0 + (lo - lane0));
+  alignas(32) float res[minmax_group_rows * 16];
+  for (const minmax_row_group& g : groups) {
+    switch (g.rows) {
+      case 4:
+        minmax_tile_avx2<4>(tile, bias, g, res);
+        break;
+      case 3:
+        minmax_tile_avx2<3>(tile, bias, g, res);
+        break;
+      case 2:
+        minmax_tile_avx2<2>(tile, bias, g, res);
+        break;
+      default:
+        minmax_tile_avx2<1>(tile, bias, g, res);
+        break;
     }
+    out.put(res, 16, lane0, count, g.first, g.rows, i0);
   }
 }
 
@@ -350,15 +504,20 @@ void minmax_score_tiles(score_isa isa, const S* tiles, const float* bias, std::u
                         std::span<const std::uint32_t> ids, bool contiguous, const float* split,
                         std::uint32_t n, const score_sink& out) {
   const std::size_t tile_elems = std::size_t{2} * d * minmax_tile_lanes;
+  thread_local minmax_row_plan plan;
+  std::span<const minmax_row_group> groups;
+  if (isa != score_isa::scalar) {
+    groups = plan.build(split, n, d);
+  }
   auto run = [&](const S* tile, const float* tb, std::uint32_t lane0, std::uint32_t m,
                  const score_sink& to, std::size_t i0) {
 #if OASISKV_SCORE_X86
     if (isa == score_isa::avx512) {
-      minmax_run_avx512(tile, tb, d, lane0, m, split, n, to, i0);
+      minmax_run_avx512(tile, tb, d, lane0, m, groups, to, i0);
       return;
     }
     if (isa == score_isa::avx2) {
-      minmax_run_avx2(tile, tb, d, lane0, m, split, n, to, i0);
+      minmax_run_avx2(tile, tb, lane0, m, groups, to, i0);
       return;
     }
 #endif

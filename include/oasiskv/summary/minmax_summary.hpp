@@ -243,8 +243,9 @@ class minmax_summary {
     const bool contiguous = detail::check_entry_ids(entries, capacity_, "minmax_summary");
     const std::uint32_t d = layout_.head_dim;
     const Storage* tiles = bounds_.data() + std::size_t{h} * tiles_ * tile_elems_;
-    // The bound is q+ . max + q- . min: split once per call so the kernel is two plain dot
-    // products (fused multiply-adds) instead of two products and a max per element.
+    // The bound is q+ . max + q- . min, one of whose terms is zero per dimension: split once
+    // per call, the kernels take the nonzero one with a multiply-add (no product and max per
+    // element).
     thread_local std::vector<float> split;
     split.resize(std::size_t{n} * 2 * d);
     for (std::uint32_t r = 0; r < n; ++r) {
