@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -202,16 +203,19 @@ TEST_CASE("file_tier: 100k randomized block reads and writes against an in-memor
   std::mt19937_64 rng(7);
   temp_dir dir;
   for (const file_backend backend : backends()) {
-    for (const bool behind : {false, true}) {
+    // Write-through; write-behind whose writer starts at once; write-behind that lingers.
+    for (const int mode : {0, 1, 2}) {
+      const bool behind = mode != 0;
       CAPTURE(oasiskv::to_string(backend));
-      CAPTURE(behind);
+      CAPTURE(mode);
       const std::uint32_t n = 96;
       // queue_depth 16 < the largest batch (32): write-behind must wait for room.
       file_tier t(odd, n,
                   {.path = dir.path.string(),
                    .backend = backend,
                    .queue_depth = 16,
-                   .write_behind = behind});
+                   .write_behind = behind,
+                   .write_linger_us = mode == 2 ? 1000u : 0u});
       CHECK(t.write_behind() == behind);
       if (behind) {
         WARN_MESSAGE(t.background_writer(), "the system refused SCHED_IDLE for the writer");
@@ -389,6 +393,59 @@ TEST_CASE("file_tier: a named file keeps its blocks for the next tier, and is lo
   CHECK(a == b);
 }
 
+TEST_CASE("file_tier: a lingering writer gathers writes, and never strands one") {
+  temp_dir dir;
+  std::mt19937_64 rng(13);
+  std::vector<std::byte> a(smollm2.block_bytes()), b(smollm2.block_bytes());
+  for (const file_backend backend : backends()) {
+    CAPTURE(oasiskv::to_string(backend));
+    {
+      // A 1 s linger: writes stay queued, and a slot written again is queued once.
+      file_tier t(smollm2, 8,
+                  {.path = dir.path.string(),
+                   .backend = backend,
+                   .write_behind = true,
+                   .write_linger_us = 1'000'000});
+      fill_random(a.data(), a.size(), rng);
+      t.write_block(2, b.data());
+      t.write_block(2, a.data());
+      t.write_block(6, b.data());
+      CHECK(t.pending_writes() == 2);
+      t.read_block(2, b.data());  // served from the queued copy
+      CHECK(a == b);
+      // flush does not wait out the linger.
+      const auto t0 = std::chrono::steady_clock::now();
+      t.flush();
+      CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(900));
+      CHECK(t.pending_writes() == 0);
+    }
+    {
+      // A 2 ms linger and no flush: the writes reach the device on their own.
+      file_tier t(smollm2, 8,
+                  {.path = dir.path.string(),
+                   .backend = backend,
+                   .write_behind = true,
+                   .write_linger_us = 2000});
+      for (int round = 0; round < 3; ++round) {  // each round finds the writer asleep
+        fill_random(a.data(), a.size(), rng);
+        t.write_block(5, a.data());
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (t.pending_writes() != 0 && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        REQUIRE(t.pending_writes() == 0);
+        // The file itself holds it (aligned: the descriptor has O_DIRECT).
+        const test_buffers file(1, t.slot_bytes(), 0);
+        REQUIRE(::pread(t.native_handle(), file[0], t.slot_bytes(),
+                        static_cast<off_t>(5 * t.slot_bytes())) ==
+                static_cast<ssize_t>(t.slot_bytes()));
+        CHECK(std::memcmp(file[0], a.data(), a.size()) == 0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // the writer falls asleep
+      }
+    }
+  }
+}
+
 TEST_CASE("file_tier: I/O failures name the slot, the offset and the system's reason") {
   temp_dir dir;
   for (const file_backend backend : backends()) {
@@ -478,6 +535,8 @@ TEST_CASE("file_tier: bad arguments") {
                "queue_depth = 0 must be in [1, 4096]");
   expect_error([&] { file_tier x(odd, 4, {.path = d, .pool_threads = 0}); }, errc::invalid_argument,
                "pool_threads = 0 must be in [1, 256]");
+  expect_error([&] { file_tier x(odd, 4, {.path = d, .write_linger_us = 1'000'001}); },
+               errc::invalid_argument, "write_linger_us = 1000001 must be at most 1000000");
   expect_error([&] { file_tier x(odd, 4, {.path = d, .backend = file_backend{9}}); },
                errc::invalid_argument, "backend = 9 is not a file_backend");
   expect_error(

@@ -3,6 +3,7 @@
 //! written with O_DIRECT through io_uring or a pread thread pool.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -72,6 +73,13 @@ struct file_tier_options {
   //! whose cores are all busy, writes then wait for room more often (`queue_depth`). False: the
   //! writer competes as a normal thread.
   bool background_writer = true;
+  //! With `write_behind`: microseconds the writer gathers writes before each batch, staying
+  //! awake while they keep coming. A decoder's writes (a partial block per layer) then join one
+  //! batch, a slot written again meanwhile is written once, and a write wakes the writer only
+  //! after a whole linger without writes (or when half of `queue_depth` is pending). Writes
+  //! reach the device up to this much later; `flush()` does not wait for it. 0: the writer is
+  //! woken by every write and starts at once. At most 1,000,000.
+  std::uint32_t write_linger_us = 1000;
 };
 
 // The class's layout and code differ with OASISKV_WITH_LIBURING; a distinct inline namespace per
@@ -94,6 +102,7 @@ class file_tier {
   static constexpr std::size_t slot_alignment = detail::direct_io_alignment;
   static constexpr std::uint32_t max_queue_depth = 4096;
   static constexpr std::uint32_t max_pool_threads = 256;
+  static constexpr std::uint32_t max_write_linger_us = 1'000'000;
 
   //! @brief Opens or creates the file and reserves `num_slots * slot_bytes()` bytes. Throws
   //! `errc::invalid_layout`, `errc::invalid_argument` (bad options or path naming the value),
@@ -115,6 +124,11 @@ class file_tier {
                     "file_tier_options.pool_threads = ", options.pool_threads, " must be in [1, ",
                     max_pool_threads, "]");
     }
+    if (options.write_linger_us > max_write_linger_us) [[unlikely]] {
+      detail::raise(errc::invalid_argument,
+                    "file_tier_options.write_linger_us = ", options.write_linger_us,
+                    " must be at most ", max_write_linger_us);
+    }
     if (options.backend != file_backend::automatic && options.backend != file_backend::io_uring &&
         options.backend != file_backend::pread_pool) [[unlikely]] {
       detail::raise(errc::invalid_argument, "file_tier_options.backend = ", options.backend,
@@ -133,7 +147,8 @@ class file_tier {
       state* st = state_.get();  // stable: the tier may move, its state does not
       state_->behind = std::make_unique<detail::write_behind>(
           layout_.block_bytes(), slot_bytes_, options.queue_depth,
-          [st](std::span<const block_write> w) { device_run(*st, w); }, options.background_writer);
+          [st](std::span<const block_write> w) { device_run(*st, w); }, options.background_writer,
+          std::chrono::microseconds{options.write_linger_us});
     }
   }
 

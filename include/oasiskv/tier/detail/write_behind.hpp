@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -37,10 +38,19 @@ class write_behind {
   //! Writes a batch to the device synchronously; throws on the first failure.
   using device_writer = std::function<void(std::span<const block_write>)>;
 
-  //! `background`: the writer runs at SCHED_IDLE, on cores no other thread wants.
+  //! `background`: the writer runs at SCHED_IDLE, on cores no other thread wants. `linger`: once
+  //! woken, the writer gathers writes for this long before each batch, and stays awake while
+  //! they keep coming; only a writer asleep for lack of writes is woken by `enqueue` (or one
+  //! whose queue is half full), so a decoder writing a block per layer does not pay a wake-up
+  //! per write. Zero: each batch starts at once.
   write_behind(std::size_t block_bytes, std::size_t stride, std::uint32_t capacity,
-               device_writer write, bool background)
-      : block_bytes_(block_bytes), stride_(stride), capacity_(capacity), write_(std::move(write)) {
+               device_writer write, bool background,
+               std::chrono::microseconds linger = std::chrono::microseconds{0})
+      : block_bytes_(block_bytes),
+        stride_(stride),
+        capacity_(capacity),
+        linger_(linger),
+        write_(std::move(write)) {
     writer_ = std::thread([this] { run(); });
     if (background) {
       // Best effort: where the system refuses, the writer keeps the normal class.
@@ -86,8 +96,12 @@ class write_behind {
       queue_.push_back(std::move(c));
       ++pending_;
     }
+    // A lingering writer takes the queue at its next deadline, unless it is filling up.
+    const bool wake = idle_ || 2 * pending_ >= capacity_;
     lock.unlock();
-    work_cv_.notify_one();
+    if (wake) {
+      work_cv_.notify_one();
+    }
   }
 
   //! Serves the reads of slots whose newest content is held here; appends the others, which the
@@ -108,7 +122,10 @@ class write_behind {
   //! here, and reads keep returning it).
   void flush() {
     std::unique_lock lock(mutex_);
+    ++urgent_;  // a lingering writer starts the batch now
+    work_cv_.notify_one();
     done_cv_.wait(lock, [&] { return queue_.empty() && in_flight_.empty(); });
+    --urgent_;
     if (failed_.empty()) {
       return;
     }
@@ -195,61 +212,79 @@ class write_behind {
     std::unique_lock lock(mutex_);
     std::vector<block_write> batch;
     for (;;) {
+      idle_ = true;
       work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      idle_ = false;
       if (queue_.empty()) {
         return;  // stopping, and everything queued has been written
       }
-      // The whole queue is one batch: a slot is queued at most once, so no two writes of a slot
-      // are ever in flight together and the device applies them in order.
-      in_flight_ = std::move(queue_);
-      queue_.clear();
-      queued_.clear();
-      batch.clear();
-      for (const auto& c : in_flight_) {
-        flying_.emplace(c->slot, c.get());
-        batch.push_back({c->slot, c->data.ensure(stride_)});
+      // Batches until a whole linger passes without a write.
+      for (;;) {
+        if (linger_.count() > 0) {
+          work_cv_.wait_for(lock, linger_,
+                            [&] { return stopping_ || urgent_ > 0 || 2 * pending_ >= capacity_; });
+        }
+        if (queue_.empty()) {
+          break;
+        }
+        write_batch(lock, batch);
       }
-      lock.unlock();
-      std::vector<std::size_t> failed_at;
-      std::vector<std::string> reasons;
-      try {
-        write_(batch);
-      } catch (...) {
-        // Which writes failed: try each on its own, so the others complete.
-        for (std::size_t i = 0; i < batch.size(); ++i) {
-          if (std::string reason = attempt(batch[i]); !reason.empty()) {
-            failed_at.push_back(i);
-            reasons.push_back(std::move(reason));
-          }
+    }
+  }
+
+  // Writes the whole queue as one batch; called with `lock` held, releases it meanwhile.
+  void write_batch(std::unique_lock<std::mutex>& lock, std::vector<block_write>& batch) {
+    // A slot is queued at most once, so no two writes of a slot are ever in flight together
+    // and the device applies them in order.
+    in_flight_ = std::move(queue_);
+    queue_.clear();
+    queued_.clear();
+    batch.clear();
+    for (const auto& c : in_flight_) {
+      flying_.emplace(c->slot, c.get());
+      batch.push_back({c->slot, c->data.ensure(stride_)});
+    }
+    lock.unlock();
+    std::vector<std::size_t> failed_at;
+    std::vector<std::string> reasons;
+    try {
+      write_(batch);
+    } catch (...) {
+      // Which writes failed: try each on its own, so the others complete.
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        if (std::string reason = attempt(batch[i]); !reason.empty()) {
+          failed_at.push_back(i);
+          reasons.push_back(std::move(reason));
         }
       }
-      lock.lock();
-      std::size_t f = 0;
-      for (std::size_t i = 0; i < in_flight_.size(); ++i) {
-        std::unique_ptr<copy>& c = in_flight_[i];
-        flying_.erase(c->slot);
-        if (f < failed_at.size() && failed_at[f] == i) {
-          // Keep the content, unless a newer write of the slot is already queued.
-          if (!queued_.contains(c->slot)) {
-            const slot_id s = c->slot;
-            failed_[s] = failure{std::move(c), std::move(reasons[f])};
-          } else {
-            spare_.push_back(std::move(c));
-          }
-          ++f;
+    }
+    lock.lock();
+    std::size_t f = 0;
+    for (std::size_t i = 0; i < in_flight_.size(); ++i) {
+      std::unique_ptr<copy>& c = in_flight_[i];
+      flying_.erase(c->slot);
+      if (f < failed_at.size() && failed_at[f] == i) {
+        // Keep the content, unless a newer write of the slot is already queued.
+        if (!queued_.contains(c->slot)) {
+          const slot_id s = c->slot;
+          failed_[s] = failure{std::move(c), std::move(reasons[f])};
         } else {
           spare_.push_back(std::move(c));
         }
+        ++f;
+      } else {
+        spare_.push_back(std::move(c));
       }
-      pending_ -= in_flight_.size();
-      in_flight_.clear();
-      done_cv_.notify_all();
     }
+    pending_ -= in_flight_.size();
+    in_flight_.clear();
+    done_cv_.notify_all();
   }
 
   std::size_t block_bytes_;
   std::size_t stride_;
   std::uint32_t capacity_;
+  std::chrono::microseconds linger_;
   device_writer write_;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;
@@ -261,6 +296,8 @@ class write_behind {
   std::unordered_map<slot_id, failure> failed_;  // slot -> content the device refused
   std::vector<std::unique_ptr<copy>> spare_;     // reused buffers
   std::size_t pending_ = 0;                      // queued + in flight
+  std::size_t urgent_ = 0;                       // callers in flush()
+  bool idle_ = false;                            // the writer sleeps until a write comes
   bool stopping_ = false;
   bool background_ = false;
   std::thread writer_;  // last: starts after every member it uses is constructed
