@@ -3,6 +3,7 @@
 #include "support/expect_error.hpp"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -129,6 +130,60 @@ TEST_CASE("cpu_copy_engine: small host batches are copied inline while nothing i
       errc::invalid_argument, "reads slot 1 which the same batch writes");
 }
 
+TEST_CASE("cpu_copy_engine: a lingering worker finds new batches, and wait wakes it") {
+  host_tier a(small, 8), b(small, 8);
+  for (slot_id s = 0; s < 8; ++s) {
+    stamp(a, s, 500 + s);
+  }
+  using namespace std::chrono_literals;
+  const auto soon = [](auto&& done) {  // polls `done` for up to 20 s
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (!done() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(100us);
+    }
+    return done();
+  };
+  {
+    // Lingers 1 s, looking every 1 ms: a batch submitted after the first finishes is found and
+    // run with nobody waiting for it.
+    cpu_copy_engine e({.inline_bytes = 0, .linger_us = 1'000'000, .poll_us = 1000});
+    e.wait(e.submit(a, b, std::vector<block_copy>{{0, 0}}));
+    const auto t = e.submit(a, b, std::vector<block_copy>{{1, 1}});
+    CHECK(soon([&] { return e.test(t); }));
+    CHECK(read_stamp(b, 1) == 501);
+  }
+  {
+    // Looks only once a second: wait (and drain) wake it instead of waiting for its next look.
+    cpu_copy_engine e({.inline_bytes = 0, .linger_us = 1'000'000, .poll_us = 1'000'000});
+    e.wait(e.submit(a, b, std::vector<block_copy>{{2, 2}}));
+    std::this_thread::sleep_for(5ms);  // the worker is between looks
+    auto t0 = std::chrono::steady_clock::now();
+    e.wait(e.submit(a, b, std::vector<block_copy>{{3, 3}}));
+    CHECK(std::chrono::steady_clock::now() - t0 < 900ms);
+    std::this_thread::sleep_for(5ms);
+    t0 = std::chrono::steady_clock::now();
+    (void)e.submit(a, b, std::vector<block_copy>{{4, 4}});
+    e.drain();
+    CHECK(std::chrono::steady_clock::now() - t0 < 900ms);
+    CHECK(read_stamp(b, 3) == 503);
+    CHECK(read_stamp(b, 4) == 504);
+  }
+  {
+    // No linger: the worker sleeps at once, and each submit wakes it.
+    cpu_copy_engine e({.inline_bytes = 0, .linger_us = 0});
+    for (slot_id s = 5; s < 8; ++s) {
+      const auto t = e.submit(a, b, std::vector<block_copy>{{s, s}});
+      CHECK(soon([&] { return e.test(t); }));
+      CHECK(read_stamp(b, s) == 500 + s);
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+  expect_error([] { cpu_copy_engine e({.linger_us = 1'000'001}); }, errc::invalid_argument,
+               "linger_us = 1000001 must be at most 1000000");
+  expect_error([] { cpu_copy_engine e({.poll_us = 0}); }, errc::invalid_argument,
+               "poll_us = 0 must be in [1, 1000000]");
+}
+
 TEST_CASE("cpu_copy_engine: bad batches are rejected before anything moves") {
   host_tier a(small, 4), b(small, 4);
   host_tier other(kv_layout{1, 2, 1, 16, 2, dtype::f32}, 4);
@@ -227,7 +282,8 @@ TEST_CASE("cpu_copy_engine: a failure while copying surfaces at wait, once, and 
 }
 
 namespace {
-void random_operations(std::size_t inline_bytes) {
+void random_operations(oasiskv::cpu_copy_engine_options options) {
+  const std::size_t inline_bytes = options.inline_bytes;
   constexpr std::uint32_t slots = 24;
   host_tier tiers[2] = {host_tier(small, slots), host_tier(small, slots)};
   std::vector<std::uint64_t> model[2];  // each slot's tag once every submitted batch has run
@@ -244,7 +300,7 @@ void random_operations(std::size_t inline_bytes) {
     std::vector<block_copy> copies;
   };
   std::vector<pending> in_flight;  // submitted and not yet seen finished
-  cpu_copy_engine e({.inline_bytes = inline_bytes});
+  cpu_copy_engine e(options);
   std::mt19937 rng(2024);
   auto conflicts = [&](int src, int dst, const std::vector<block_copy>& copies, const pending& p) {
     for (const auto& c : copies) {
@@ -331,12 +387,16 @@ void random_operations(std::size_t inline_bytes) {
 }  // namespace
 
 TEST_CASE("cpu_copy_engine: 100k random operations against a model") {
-  // Inline copies on (the default: most of these batches are small enough), and off.
+  // Inline copies on (the default: most of these batches are small enough), and off; a worker
+  // that lingers (the default) and one that sleeps as soon as its queue is empty.
   SUBCASE("inline copies") {
-    random_operations(oasiskv::cpu_copy_engine_options{}.inline_bytes);
+    random_operations({});
   }
   SUBCASE("every batch on the worker") {
-    random_operations(0);
+    random_operations({.inline_bytes = 0});
+  }
+  SUBCASE("every batch on a worker that never lingers") {
+    random_operations({.inline_bytes = 0, .linger_us = 0});
   }
 }
 
