@@ -184,20 +184,17 @@ class minmax_row_plan {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
-// Dimension x's maximum and minimum of the tile's 16 entries, widened to f32.
-OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const float* t, std::uint32_t x, __m512& mx,
-                                                      __m512& mn) {
-  mx = _mm512_loadu_ps(t + std::size_t{x} * 32);
-  mn = _mm512_loadu_ps(t + std::size_t{x} * 32 + 16);
+// The maximum and minimum of one dimension of a tile (at `t`, its 16 entries), widened to f32.
+OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const float* t, __m512& mx, __m512& mn) {
+  mx = _mm512_loadu_ps(t);
+  mn = _mm512_loadu_ps(t + 16);
 }
-OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const f16* t, std::uint32_t x, __m512& mx,
-                                                      __m512& mn) {
-  mx = load16(t + std::size_t{x} * 32);
-  mn = load16(t + std::size_t{x} * 32 + 16);
+OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const f16* t, __m512& mx, __m512& mn) {
+  mx = load16(t);
+  mn = load16(t + 16);
 }
-OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const bf16* t, std::uint32_t x, __m512& mx,
-                                                      __m512& mn) {
-  const __m512i w = _mm512_loadu_si512(t + std::size_t{x} * 32);
+OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const bf16* t, __m512& mx, __m512& mn) {
+  const __m512i w = _mm512_loadu_si512(t);
   mx = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16));
   mn = _mm512_castsi512_ps(
       _mm512_maskz_and_epi32(0xffff, w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
@@ -215,7 +212,7 @@ OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const f16* t) {
 template <int Which>
 OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const bf16* t) {
   __m512 mx, mn;
-  load_bounds16(t, 0, mx, mn);
+  load_bounds16(t, mx, mn);
   return Which == 0 ? mx : mn;
 }
 
@@ -240,7 +237,7 @@ template <int R, unsigned P, int K, class S>
   } else if constexpr (P == all) {
     mn = load_bound16<1>(t);
   } else {
-    load_bounds16(t, 0, mx, mn);
+    load_bounds16(t, mx, mn);
   }
   const float* q = g.q + std::size_t{i} * minmax_group_rows;
 #pragma GCC unroll 4
@@ -318,20 +315,20 @@ OASISKV_SCORE_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* b
   }
 }
 
-OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const float* t, std::uint32_t x,
-                                                   std::uint32_t half, __m256& mx, __m256& mn) {
-  mx = _mm256_loadu_ps(t + std::size_t{x} * 32 + half * 8);
-  mn = _mm256_loadu_ps(t + std::size_t{x} * 32 + 16 + half * 8);
+// The maximum and minimum of lanes [8 * half, 8 * half + 8) of one dimension of a tile (at `t`).
+OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const float* t, std::uint32_t half, __m256& mx,
+                                                   __m256& mn) {
+  mx = _mm256_loadu_ps(t + half * 8);
+  mn = _mm256_loadu_ps(t + 16 + half * 8);
 }
-OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const f16* t, std::uint32_t x,
-                                                   std::uint32_t half, __m256& mx, __m256& mn) {
-  mx = load8(t + std::size_t{x} * 32 + half * 8);
-  mn = load8(t + std::size_t{x} * 32 + 16 + half * 8);
+OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const f16* t, std::uint32_t half, __m256& mx,
+                                                   __m256& mn) {
+  mx = load8(t + half * 8);
+  mn = load8(t + 16 + half * 8);
 }
-OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const bf16* t, std::uint32_t x,
-                                                   std::uint32_t half, __m256& mx, __m256& mn) {
-  const __m256i w =
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + std::size_t{x} * 32 + half * 16));
+OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const bf16* t, std::uint32_t half, __m256& mx,
+                                                   __m256& mn) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + half * 16));
   mx = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   mn = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
@@ -341,7 +338,7 @@ template <int Which, class S>
 OASISKV_SCORE_TARGET_AVX2 inline __m256 load_bound8(const S* t, std::uint32_t half) {
   if constexpr (std::is_same_v<S, bf16>) {
     __m256 mx, mn;
-    load_bounds8(t, 0, half, mx, mn);
+    load_bounds8(t, half, mx, mn);
     return Which == 0 ? mx : mn;
   } else {
     return load8(t + Which * 16 + half * 8);
@@ -365,7 +362,7 @@ template <int R, unsigned P, class S>
       } else if constexpr (P == all) {
         mn[h] = load_bound8<1>(t, h);
       } else {
-        load_bounds8(t, 0, h, mx[h], mn[h]);
+        load_bounds8(t, h, mx[h], mn[h]);
       }
     }
     const float* q = g.q + std::size_t{i} * minmax_group_rows;
