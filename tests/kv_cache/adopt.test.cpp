@@ -23,6 +23,7 @@
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "oasiskv/tier/composite_tier.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
@@ -50,9 +51,13 @@ struct bundle {
   using scheduler = Scheduler;
   using kernel = reference_decode;
 };
-using local_bundle = bundle<minmax_summary<>, host_tier, cpu_copy_engine>;
-using remote_bundle =
-    bundle<minmax_summary<>, remote_part, routing_engine<cpu_copy_engine, cpu_copy_engine>>;
+template <class Summary>
+using local_bundle_of = bundle<Summary, host_tier, cpu_copy_engine>;
+template <class Summary>
+using remote_bundle_of =
+    bundle<Summary, remote_part, routing_engine<cpu_copy_engine, cpu_copy_engine>>;
+using local_bundle = local_bundle_of<minmax_summary<>>;
+using remote_bundle = remote_bundle_of<minmax_summary<>>;
 using remote_mean_bundle =
     bundle<mean_summary, remote_part, routing_engine<cpu_copy_engine, cpu_copy_engine>>;
 using remote_dense_bundle =
@@ -80,8 +85,10 @@ std::vector<float> random_queries(std::uint32_t n, std::mt19937& rng) {
 }
 
 // A prefill: `tokens` tokens appended to a plain cache, whose blocks are then shipped elsewhere.
+template <class Summary = minmax_summary<>>
 struct prefill {
-  tiered_kv_cache<local_bundle> cache{host_tier(layout, 512), host_tier(layout, 64), options};
+  tiered_kv_cache<local_bundle_of<Summary>> cache{host_tier(layout, 512), host_tier(layout, 64),
+                                                  options};
   sequence_id seq = cache.add_sequence();
   std::uint32_t tokens;
 
@@ -162,14 +169,18 @@ void decode_both(A& a, sequence_id sa, B& b, sequence_id sb, int steps, std::mt1
 }  // namespace
 
 static_assert(tiered_kv_cache<remote_bundle>::loads_summaries);
+static_assert(tiered_kv_cache<remote_bundle_of<quantized_minmax_summary>>::loads_summaries);
 static_assert(!tiered_kv_cache<remote_mean_bundle>::loads_summaries);
 
-TEST_CASE("adopt over a read-only part: decode equals appending, appends go to the local part") {
+// Every shipped summary the cache loads: the f16 bounds as they are, and quantized to int8.
+TEST_CASE_TEMPLATE(
+    "adopt over a read-only part: decode equals appending, appends go to the local part", Summary,
+    minmax_summary<>, quantized_minmax_summary) {
   std::mt19937 rng(21);
   for (const std::uint32_t prompt : {77u, 80u, 5u}) {  // a partial last block, full blocks, one
     CAPTURE(prompt);
-    prefill p(prompt, rng);
-    auto cache = remote_cache<remote_bundle>(200, 96);
+    prefill<Summary> p(prompt, rng);
+    auto cache = remote_cache<remote_bundle_of<Summary>>(200, 96);
     CHECK(cache.read_only_slots() == 200);
     gated_io_tier& exporter = cache.capacity_tier().first();
     const auto slots = scattered(layout.num_layers * p.blocks(), 200, rng);
@@ -213,7 +224,7 @@ TEST_CASE("adopt over a read-only part: decode equals appending, appends go to t
 
 TEST_CASE("adopt without loadable summaries reads the blocks; forks share adopted blocks") {
   std::mt19937 rng(8);
-  prefill p(45, rng);
+  prefill<> p(45, rng);
   auto cache = remote_cache<remote_mean_bundle>(64, 64);
   const auto slots = scattered(layout.num_layers * p.blocks(), 64, rng);
   const auto summaries = p.ship(cache.capacity_tier().first(), slots);
@@ -254,7 +265,7 @@ TEST_CASE("adopt without loadable summaries reads the blocks; forks share adopte
 
 TEST_CASE("adopt with the all_resident scheduler stages every full block (dense admission)") {
   std::mt19937 rng(4);
-  prefill p(61, rng);
+  prefill<> p(61, rng);
   auto cache = remote_cache<remote_dense_bundle>(64, 32);
   const auto slots = scattered(layout.num_layers * p.blocks(), 64, rng);
   const auto summaries = p.ship(cache.capacity_tier().first(), slots);
@@ -272,7 +283,7 @@ TEST_CASE("adopt with the all_resident scheduler stages every full block (dense 
 
 TEST_CASE("adopt over a plain host tier: slots of the pool, appends in place") {
   std::mt19937 rng(13);
-  prefill p(30, rng);
+  prefill<> p(30, rng);
   tiered_kv_cache<local_bundle> cache(host_tier(layout, 64), host_tier(layout, 64), options);
   CHECK(cache.read_only_slots() == 0);
   const std::vector<slot_id> slots{9, 3, 40, 41, 0, 7, 8, 63};  // 2 layers x 4 blocks
@@ -294,7 +305,7 @@ TEST_CASE("adopt over a plain host tier: slots of the pool, appends in place") {
 
 TEST_CASE("adopt: bad adoptions name what is wrong and change nothing") {
   std::mt19937 rng(2);
-  prefill p(20, rng);  // 3 blocks per layer
+  prefill<> p(20, rng);  // 3 blocks per layer
   auto cache = remote_cache<remote_bundle>(32, 16);
   std::vector<slot_id> slots{0, 1, 2, 3, 4, 5};
   const auto summaries = p.ship(cache.capacity_tier().first(), slots);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <vector>
@@ -180,9 +181,10 @@ OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_run_vnni(
 //! quantizing the exact bound at the new scale, so one-token appends and a bulk update give the
 //! same bits. A non-finite key makes its entry score `+inf`; an entry with no tokens, `-inf`.
 //!
-//! Models `block_summary`. Memory: `num_kv_heads * (2 * head_dim + 8) + 6` bytes per entry (codes,
-//! scale, norm; the empty/overflow bias and the token count); the capacity is rounded up to a
-//! multiple of 16. `score_isa::avx512` runs the VNNI kernel where the CPU has AVX512_VNNI; every
+//! Models `block_summary`, `growable_summary` and `loadable_summary` (the f16 bounds a prefill
+//! node ships, quantized on load). Memory: `num_kv_heads * (2 * head_dim + 8) + 6` bytes per entry
+//! (codes, scale, norm; the empty/overflow bias and the token count); the capacity is rounded up to
+//! a multiple of 16. `score_isa::avx512` runs the VNNI kernel where the CPU has AVX512_VNNI; every
 //! other path runs the scalar one (same integers, same result up to f32 rounding). Concurrent
 //! `score` calls are safe.
 class quantized_minmax_summary {
@@ -304,6 +306,73 @@ class quantized_minmax_summary {
     bias_[b] = overflow ? std::numeric_limits<float>::infinity() : 0.0f;
     tokens_[b] = static_cast<std::uint16_t>(
         std::min<std::uint32_t>(tokens_[b] + count, layout_.tokens_per_block));
+  }
+
+  //! @brief Bytes `load` takes for one entry: `[num_kv_heads][2 (max, min)][head_dim]` f16, the
+  //! format of `minmax_summary::load` (`disagg::summarize_block`).
+  std::size_t wire_bytes() const noexcept {
+    return std::size_t{layout_.num_kv_heads} * 2 * layout_.head_dim * sizeof(f16);
+  }
+
+  //! @brief Sets entry `b` from f16 bounds computed elsewhere, of a block holding `tokens` tokens
+  //! (models `loadable_summary`): per KV head the elementwise maximum then minimum key, as
+  //! `disagg::summarize_block` writes them. They are quantized as `update` quantizes the bounds
+  //! of the keys it reads, so the bounds of f16 keys (which f16 holds exactly) give the codes
+  //! `update` gives from the block itself, and looser ones still bound every key. A NaN or
+  //! infinite bound makes the entry score `+inf`, as a non-finite key does. Later `update`s fold
+  //! into the entry. Throws `errc::invalid_argument` unless `bytes` is exactly `wire_bytes()`
+  //! long, or where a maximum is below its minimum (naming the head and dimension), and
+  //! `errc::out_of_range` unless `tokens` is in [1, tokens_per_block]; the entry is then
+  //! unchanged. O(bytes).
+  void load(std::uint32_t b, std::span<const std::byte> bytes, std::uint32_t tokens) {
+    check_entry(b);
+    if (bytes.size() != wire_bytes()) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "quantized_minmax_summary::load: entry ", b, " got ",
+                    bytes.size(), " bytes, expected ", wire_bytes(), " (", layout_.num_kv_heads,
+                    " kv heads x 2 x head_dim ", layout_.head_dim, " x f16)");
+    }
+    if (tokens == 0 || tokens > layout_.tokens_per_block) [[unlikely]] {
+      detail::raise(errc::out_of_range, "quantized_minmax_summary::load: entry ", b, " of ", tokens,
+                    " tokens; a block holds 1 to ", layout_.tokens_per_block);
+    }
+    const std::uint32_t d = layout_.head_dim, heads = layout_.num_kv_heads;
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    // Every bound read and checked before the entry changes. A non-finite bound is left out of
+    // the codes (as `update` leaves out a non-finite key) and marks the entry.
+    thread_local std::vector<float> hi, lo, mag;
+    hi.resize(std::size_t{heads} * d);
+    lo.resize(hi.size());
+    mag.assign(heads, 0.0f);
+    bool overflow = false;
+    for (std::uint32_t h = 0; h < heads; ++h) {
+      for (std::uint32_t x = 0; x < d; ++x) {
+        float v[2];
+        for (std::uint32_t which = 0; which < 2; ++which) {
+          f16 w;
+          std::memcpy(&w, bytes.data() + ((std::size_t{h} * 2 + which) * d + x) * sizeof(f16),
+                      sizeof(f16));
+          v[which] = w.to_float();
+        }
+        const std::size_t i = std::size_t{h} * d + x;
+        const bool finite_hi = std::isfinite(v[0]), finite_lo = std::isfinite(v[1]);
+        if (finite_hi && finite_lo && v[0] < v[1]) [[unlikely]] {
+          detail::raise(errc::invalid_argument, "quantized_minmax_summary::load: entry ", b,
+                        ", kv head ", h, ", dimension ", x, ": maximum ", v[0],
+                        " is below minimum ", v[1]);
+        }
+        overflow |= !finite_hi || !finite_lo;
+        hi[i] = finite_hi ? v[0] : -inf;
+        lo[i] = finite_lo ? v[1] : inf;
+        mag[h] = std::max(
+            {mag[h], finite_hi ? std::abs(v[0]) : 0.0f, finite_lo ? std::abs(v[1]) : 0.0f});
+      }
+    }
+    for (std::uint32_t h = 0; h < heads; ++h) {
+      scale_[slot(h, b)] = 0.0f;  // fresh: `fold` quantizes these bounds alone
+      fold(h, b, hi.data() + std::size_t{h} * d, lo.data() + std::size_t{h} * d, mag[h]);
+    }
+    bias_[b] = overflow ? inf : 0.0f;
+    tokens_[b] = static_cast<std::uint16_t>(tokens);
   }
 
   //! @brief `out[i * n + r]` = the bound of query row `r` (of `q`, `[n][head_dim]`) over entry
