@@ -11,7 +11,8 @@
 // With UCX (oasiskv::ucx), the same three rows again with the capacity tier in another process:
 // a prefill node's `kv_exporter` (forked at start-up) whose 32k-token request is adopted into the
 // cache and read with UCX gets (`ucx_lookahead`, `ucx_on_demand`, `ucx_all_resident`: the last
-// is full admission, every block copied before the first step; `ucx_paired`). UCX_TLS picks the
+// is full admission, every block copied before the first step; `ucx_paired`; and
+// `ucx_lookahead_qminmax`, the lookahead row with the int8 min/max summary). UCX_TLS picks the
 // transport (default here: sm; the other loopback settings of docs/disagg.md are defaulted too).
 // Queries drift from step to step and keys cluster by block, so selections change gradually,
 // as real attention does; `fetched_per_step` reports how much each step had to move, and
@@ -377,11 +378,11 @@ void bm_paired(benchmark::State& state) {
 #if OASISKV_BENCH_UCX
 // The prefill node: a child process, forked before the benchmark library or any cache starts a
 // thread, that writes the 32k-token prompt of every layer (the same `kv_source` as the file
-// rows) into a `kv_exporter`'s arena, publishes it as requests 1-6 (one per cache: three for
-// the schedulers' rows, three for the paired row; a released request is freed, so each cache
-// keeps its own for the whole run) and serves until the benchmark exits (it dies with its
-// parent).
-constexpr std::uint32_t remote_requests = 6;
+// rows) into a `kv_exporter`'s arena, publishes it as requests 1-7 (one per cache: three for
+// the schedulers' rows, three for the paired row, one for the int8 summary's row; a released
+// request is freed, so each cache keeps its own for the whole run) and serves until the
+// benchmark exits (it dies with its parent).
+constexpr std::uint32_t remote_requests = 7;
 
 disagg::token_type bench_token() {
   disagg::token_type t{};
@@ -462,13 +463,13 @@ struct exporter_process {
 };
 exporter_process exporter;
 
-template <class Scheduler>
+template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
 struct remote_bundle {
   using allocator = free_list_allocator;
   using fast_tier = host_tier;
   using slow_tier = disagg::remote_capacity_tier<>;
   using transfer = disagg::remote_transfer;
-  using predictor = lookahead_predictor<minmax_summary<>>;
+  using predictor = Predictor;
   using scheduler = Scheduler;
   using kernel = cpu::sparse_decode;
 };
@@ -483,9 +484,9 @@ disagg::ucx_engine& ucx() {
 // A cache adopting its own request once: Google Benchmark calls a benchmark function several
 // times, and the sequence goes on from call to call (new tokens go to the local tail, with the
 // same room as the file rows). Kept for the process's lifetime on purpose.
-template <class Scheduler>
+template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
 struct remote_cache {
-  using cache_type = tiered_kv_cache<remote_bundle<Scheduler>>;
+  using cache_type = tiered_kv_cache<remote_bundle<Scheduler, Predictor>>;
   std::unique_ptr<cache_type> cache;
   std::optional<disagg::adopted_request<cache_type>> request;
   kv_source src;
@@ -522,6 +523,13 @@ void bm_ucx_on_demand(benchmark::State& s) {
 void bm_ucx_all_resident(benchmark::State& s) {
   static auto* r = new remote_cache<all_resident>(3, every_slot);
   bm_remote_step(s, *r, every_slot);
+}
+// The lookahead row with the int8 min/max summary, which quantizes the shipped f16 bounds on
+// load: admission stays selective, and the predictor's share is the int8 bounds'.
+void bm_ucx_lookahead_qminmax(benchmark::State& s) {
+  static auto* r = new remote_cache<lookahead_prefetcher<lru_eviction>,
+                                    lookahead_predictor<quantized_minmax_summary>>(7, budget_slots);
+  bm_remote_step(s, *r, budget_slots);
 }
 
 // The paired row's own caches (requests 4-6): they decode in lockstep, so the three sequences
@@ -589,6 +597,7 @@ BENCHMARK(bm_paired)
 BENCHMARK(bm_ucx_lookahead)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_ucx_on_demand)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_ucx_all_resident)->Arg(5)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_ucx_lookahead_qminmax)->Arg(20)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(bm_ucx_paired)
     ->Arg(5)
     ->Arg(20)
