@@ -252,7 +252,7 @@ class decode_loop {
 
 // Steps each loop runs before it is measured, so that a row times a decoder in its steady
 // state. Over UCX's tcp transport the first call of a new paired cache measured `lookahead_x`
-// 1.32-1.61 where its later calls measured 1.00-1.05; after 32 such steps, its first call
+// 1.32-1.62 where its later calls measured 1.00-1.09; after 32 such steps, its first call
 // measures like the others.
 constexpr std::uint32_t warm_up_steps = 32;
 
