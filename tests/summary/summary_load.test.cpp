@@ -56,6 +56,24 @@ float extreme(const host_tier& t, slot_id s, std::uint32_t h, std::uint32_t x, s
   return best;
 }
 
+// A pool of random keys with some wide values: beyond f16's range in slot 5 (an infinite shipped
+// bound; not for f16 keys, which cannot hold them) and tiny ones in slot 6.
+void fill_wide(host_tier& pool, std::uint32_t seed) {
+  const kv_layout& l = pool.layout();
+  testing::fill_random(pool, seed);
+  visit_dtype(l.kv_dtype, [&](auto elem) {
+    using T = decltype(elem);
+    if constexpr (!std::is_same_v<T, f16>) {
+      T* p = reinterpret_cast<T*>(pool.slot_data(5) + l.key_offset(1));
+      p[3] = from_float<T>(1e6f);
+      p[l.head_dim + 4] = from_float<T>(-1e6f);
+    }
+    T* q = reinterpret_cast<T*>(pool.slot_data(6) + l.key_offset(0));
+    q[0] = from_float<T>(3e-8f);
+    q[l.head_dim] = from_float<T>(-3e-8f);
+  });
+}
+
 // The highest dot product of query row `q` with the keys of head h of slot s's first `tokens`.
 float best_dot(const host_tier& t, slot_id s, std::uint32_t h, const float* q,
                std::uint32_t tokens) {
@@ -98,19 +116,7 @@ TEST_CASE_TEMPLATE("every loadable summary: a loaded entry bounds the keys; upda
     const kv_layout l{1, 8, 2, 32, 16, dt};
     const std::uint32_t nblocks = 20, n = 3;
     host_tier pool(l, nblocks);
-    testing::fill_random(pool, 31 + static_cast<std::uint32_t>(dt));
-    // Keys beyond f16's range (an infinite shipped bound) and tiny ones.
-    visit_dtype(dt, [&](auto elem) {
-      using T = decltype(elem);
-      if constexpr (!std::is_same_v<T, f16>) {
-        T* p = reinterpret_cast<T*>(pool.slot_data(5) + l.key_offset(1));
-        p[3] = from_float<T>(1e6f);
-        p[l.head_dim + 4] = from_float<T>(-1e6f);
-      }
-      T* q = reinterpret_cast<T*>(pool.slot_data(6) + l.key_offset(0));
-      q[0] = from_float<T>(3e-8f);
-      q[l.head_dim] = from_float<T>(-3e-8f);
-    });
+    fill_wide(pool, 31 + static_cast<std::uint32_t>(dt));
     S loaded(l, nblocks), updated(l, nblocks);
     CHECK(loaded.wire_bytes() == disagg::summary_bytes(l));
     std::mt19937 rng(7);
@@ -241,20 +247,8 @@ TEST_CASE_TEMPLATE("minmax_summary::load: the wire format, bounds as `update`'s"
     const kv_layout l{1, 8, 2, 32, 16, dt};
     const std::uint32_t nblocks = 20;
     host_tier pool(l, nblocks);
-    testing::fill_random(pool, 11 + static_cast<std::uint32_t>(dt));
-    // Wide values too: some beyond f16's range (an infinite bound) and some tiny ones.
+    fill_wide(pool, 11 + static_cast<std::uint32_t>(dt));
     std::mt19937 rng(3);
-    visit_dtype(dt, [&](auto elem) {
-      using T = decltype(elem);
-      if constexpr (!std::is_same_v<T, f16>) {
-        T* p = reinterpret_cast<T*>(pool.slot_data(5) + l.key_offset(1));
-        p[3] = from_float<T>(1e6f);
-        p[l.head_dim + 4] = from_float<T>(-1e6f);
-      }
-      T* q = reinterpret_cast<T*>(pool.slot_data(6) + l.key_offset(0));
-      q[0] = from_float<T>(3e-8f);
-      q[l.head_dim] = from_float<T>(-3e-8f);
-    });
     minmax_summary<Storage> loaded(l, nblocks), updated(l, nblocks);
     CHECK(loaded.wire_bytes() == disagg::summary_bytes(l));
     std::vector<std::uint32_t> fill(nblocks);

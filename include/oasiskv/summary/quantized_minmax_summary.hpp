@@ -326,15 +326,8 @@ class quantized_minmax_summary {
   //! unchanged. O(bytes).
   void load(std::uint32_t b, std::span<const std::byte> bytes, std::uint32_t tokens) {
     check_entry(b);
-    if (bytes.size() != wire_bytes()) [[unlikely]] {
-      detail::raise(errc::invalid_argument, "quantized_minmax_summary::load: entry ", b, " got ",
-                    bytes.size(), " bytes, expected ", wire_bytes(), " (", layout_.num_kv_heads,
-                    " kv heads x 2 x head_dim ", layout_.head_dim, " x f16)");
-    }
-    if (tokens == 0 || tokens > layout_.tokens_per_block) [[unlikely]] {
-      detail::raise(errc::out_of_range, "quantized_minmax_summary::load: entry ", b, " of ", tokens,
-                    " tokens; a block holds 1 to ", layout_.tokens_per_block);
-    }
+    detail::check_summary_load("quantized_minmax_summary", layout_, b, bytes.size(), wire_bytes(),
+                               tokens);
     const std::uint32_t d = layout_.head_dim, heads = layout_.num_kv_heads;
     constexpr float inf = std::numeric_limits<float>::infinity();
     // Every bound read and checked before the entry changes. A non-finite bound is left out of

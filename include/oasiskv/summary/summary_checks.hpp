@@ -25,6 +25,21 @@ inline void check_summary_update(const char* who, const kv_layout& layout, const
   }
 }
 
+//! @brief Throws unless `bytes` is the `wire` bytes of one shipped entry
+//! (`[num_kv_heads][2][head_dim]` f16) and `tokens` a block's token count, for entry `b` of
+//! `who::load`.
+inline void check_summary_load(const char* who, const kv_layout& layout, std::uint32_t b,
+                               std::size_t bytes, std::size_t wire, std::uint32_t tokens) {
+  if (bytes != wire) [[unlikely]] {
+    raise(errc::invalid_argument, who, "::load: entry ", b, " got ", bytes, " bytes, expected ",
+          wire, " (", layout.num_kv_heads, " kv heads x 2 x head_dim ", layout.head_dim, " x f16)");
+  }
+  if (tokens == 0 || tokens > layout.tokens_per_block) [[unlikely]] {
+    raise(errc::out_of_range, who, "::load: entry ", b, " of ", tokens,
+          " tokens; a block holds 1 to ", layout.tokens_per_block);
+  }
+}
+
 //! @brief Throws unless `capacity` may replace `current` in `who::grow`.
 inline void check_summary_grow(const char* who, std::uint32_t current, std::uint32_t capacity) {
   if (capacity < current) [[unlikely]] {
