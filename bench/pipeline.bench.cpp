@@ -61,7 +61,10 @@ const kv_layout layout{4, 9, 3, 64, 16, dtype::f16};  // SmolLM2's attention, 4 
 const std::uint32_t budget_slots = layout.num_layers * 3 * layout.blocks_for(budget_tokens);
 const std::uint32_t every_slot = layout.num_layers * layout.blocks_for(max_length);
 
-template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
+// The predictor of every row but the int8 summary's: Quest's f16 bounds, softmax-mass aggregation.
+using default_predictor = lookahead_predictor<minmax_summary<>>;
+
+template <class Scheduler, class Predictor = default_predictor>
 struct bundle {
   using allocator = free_list_allocator;
   using fast_tier = host_tier;
@@ -278,7 +281,7 @@ void run_decode_steps(benchmark::State& state, Cache* cache, sequence_id seq, kv
   loop.report(state, fast_slots);
 }
 
-template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
+template <class Scheduler, class Predictor = default_predictor>
 void bm_decode_step(benchmark::State& state, std::uint32_t fast_slots) {
   kv_source src;
   sequence_id seq{};
@@ -463,7 +466,7 @@ struct exporter_process {
 };
 exporter_process exporter;
 
-template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
+template <class Scheduler, class Predictor = default_predictor>
 struct remote_bundle {
   using allocator = free_list_allocator;
   using fast_tier = host_tier;
@@ -484,7 +487,7 @@ disagg::ucx_engine& ucx() {
 // A cache adopting its own request once: Google Benchmark calls a benchmark function several
 // times, and the sequence goes on from call to call (new tokens go to the local tail, with the
 // same room as the file rows). Kept for the process's lifetime on purpose.
-template <class Scheduler, class Predictor = lookahead_predictor<minmax_summary<>>>
+template <class Scheduler, class Predictor = default_predictor>
 struct remote_cache {
   using cache_type = tiered_kv_cache<remote_bundle<Scheduler, Predictor>>;
   std::unique_ptr<cache_type> cache;

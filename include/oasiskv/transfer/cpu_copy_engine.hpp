@@ -58,6 +58,9 @@ struct cpu_copy_engine_options {
 //! Models `transfer_engine<cpu_copy_engine, Src, Dst>` for any two such tiers. Thread-safe.
 class cpu_copy_engine {
  public:
+  //! The largest `linger_us` and `poll_us` the options take.
+  static constexpr std::uint32_t max_linger_us = 1'000'000;
+
   //! @brief Identifies one submitted batch. Default-constructed tickets are never issued.
   struct ticket {
     std::uint64_t id = 0;
@@ -378,13 +381,13 @@ class cpu_copy_engine {
   }
 
   static cpu_copy_engine_options checked(cpu_copy_engine_options o) {
-    if (o.linger_us > 1'000'000) [[unlikely]] {
+    if (o.linger_us > max_linger_us) [[unlikely]] {
       detail::raise(errc::invalid_argument, "cpu_copy_engine_options.linger_us = ", o.linger_us,
-                    " must be at most 1000000");
+                    " must be at most ", max_linger_us);
     }
-    if (o.poll_us == 0 || o.poll_us > 1'000'000) [[unlikely]] {
+    if (o.poll_us == 0 || o.poll_us > max_linger_us) [[unlikely]] {
       detail::raise(errc::invalid_argument, "cpu_copy_engine_options.poll_us = ", o.poll_us,
-                    " must be in [1, 1000000]");
+                    " must be in [1, ", max_linger_us, "]");
     }
     return o;
   }
