@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU decode attention against the memory-read limit.
 //
 // Decode attention reads each selected K and V byte once, so its floor is the time to read those

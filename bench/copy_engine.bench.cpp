@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cpu_copy_engine: scattered whole-block copies between host tiers, against one contiguous
 // memcpy of the same bytes measured in the same binary (the ratio is the figure that matters).
 #include <benchmark/benchmark.h>

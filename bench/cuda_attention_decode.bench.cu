@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU benchmarks of the CUDA path, each a ratio to a ceiling measured in the same binary:
 //   decode:    cuda::sparse_decode's effective bandwidth over the selected K/V bytes (budget 2048
 //              of a 32k context, 32 q / 8 kv heads, head dim 128, bf16) / the device-to-device

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // file_tier: scattered 12 KiB blocks (SmolLM2-135M) read in batches through io_uring and through
 // the pread pool, against one large sequential O_DIRECT read of the same number of bytes from
 // the same file, measured in the same binary (the `frac_of_sequential` counter). With O_DIRECT

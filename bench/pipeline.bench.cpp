@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The OasisKV decode loop end to end: sequences of 32k tokens whose capacity tier is a file read
 // with O_DIRECT (writing behind: each token's partial block is copied, not waited for), a fast
 // tier holding a budget of blocks, and per layer append -> attend -> lookahead, as an engine's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block prediction against the floor of dense attention.
 //
 // Dense decode attention reads every K and V byte of the (sequence, layer) once, so its floor is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fuzz target of the disaggregation control protocol's parser (libFuzzer entry point; the
 // mutation driver in mutation_driver.cpp calls it where libFuzzer is not available).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A deterministic random-mutation driver for compilers without libFuzzer (gcc): starts from one
 // valid frame of each message type and applies bit flips, byte overwrites, truncations,
 // insertions and length-field edits for a bounded time. Usage: fuzz_control_protocol [seconds]

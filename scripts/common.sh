@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Shared by scripts/*.sh: install what is missing (Debian), find the CUDA toolkit.
 
 # oasiskv_install_packages PKG...: installs the packages that are not installed yet. As root it

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Decode speed of the mini-decoder on SmolLM2-135M at 4k and 8k context: OasisKV (budget 1024)
 # against dense, each pair in one run of the CLI (--compare dense), 1 thread. The prompt is
 # this repository's docs and headers cut to ~4k or ~7k tokens, then a question. Both modes

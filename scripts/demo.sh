@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The demo: SmolLM2-135M-Instruct answers a question about a long document (this repository's
 # own docs and sources, ~4.5k tokens), once with dense attention and once through OasisKV with a
 # 1,024-token budget, and prints the two answers and a table side by side.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds and runs the CUDA tests and the CUDA benchmark on a machine with a GPU, and writes the
 # results to a folder (default: $OUT if set, else gpu-check-out/):
 #   gpu-check.log           everything, in order

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Fills third_party_cache/ (ignored by git) with what scripts/gpu-check.sh needs on a GPU machine
 # that has the CUDA toolkit, CMake and ninja but no Debian -dev packages and no network:
 #   third_party_cache/doctest/  the header-only doctest as a tiny CMake project (doctest::doctest)

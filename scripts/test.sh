@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds and runs every test:
 #   1. formatting check (clang-format 14)
 #   2. -Wall -Wextra -Werror build of tests, examples, benchmarks and CUDA code (where nvcc is);

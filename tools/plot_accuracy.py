@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Plots of tools/accuracy's JSON: one PNG per metric, budget on the x axis, one line per
 predictor (16-token blocks, one selection shared by the KV heads, the aggregation given by
 --agg). Needs Debian's python3-matplotlib.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Independent numpy reference for the mini-decoder's SmolLM2 prefill logits.
 
 Reads SmolLM2-135M-Instruct.Q4_1.gguf with the `gguf` package (which dequantizes Q4_1 and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One decode-attention step assembled from OasisKV policies, printed as it goes:
 //   a capacity tier holds a sequence's whole KV; the step scores the blocks against the query,
 //   stages the best ones (within a budget, sinks and the recent window always kept) into a small

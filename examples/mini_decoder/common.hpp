@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Errors and file mapping shared by the mini-decoder's loaders.
 #pragma once

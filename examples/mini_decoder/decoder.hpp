@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The decode loop: prefill, then rounds of draft -> verify (one target pass over the
 //! pending token and the drafts) -> accept, with attention through OasisKV and the drafted

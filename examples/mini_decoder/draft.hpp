@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Draft sources for speculative decoding. Self-speculation (the model's first layers)
 //! lives in the decoder, which owns the caches; prompt lookup is a pure function of the text.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief A GGUF (v2/v3) reader: metadata and tensor directory over a memory-mapped file.
 #pragma once

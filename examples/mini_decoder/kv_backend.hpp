@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief One sequence's KV cache behind a small virtual interface, so that the decode loop is
 //! written once and each `--mode` picks a different `tiered_kv_cache<Policies>` bundle.

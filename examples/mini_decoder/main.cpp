@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // mini_decoder: a small Llama-family engine whose attention runs through OasisKV.
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>

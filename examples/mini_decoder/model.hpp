@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief A Llama-family model's configuration and weights, loaded from GGUF or llama2.c files.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "quant.hpp"
 
 // GCC 12 reports the `_mm512_undefined_*` placeholders inside its own AVX-512 headers as

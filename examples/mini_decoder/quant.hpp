@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Weight storage types (F32, F16, Q4_1, Q8_0) and the products the forward pass needs.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Greedy and temperature / top-p sampling with a seeded, portable generator.
 #pragma once

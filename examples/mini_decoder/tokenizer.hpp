@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Tokenizers read from the model files: GPT-2 byte-level BPE (GGUF metadata) and the
 //! llama2.c SentencePiece-like tokenizer (tok512.bin).

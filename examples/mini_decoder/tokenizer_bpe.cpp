@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPT-2 style byte-level BPE from GGUF metadata (tokenizer.ggml.tokens / merges / token_type).
 #include <algorithm>
 #include <limits>

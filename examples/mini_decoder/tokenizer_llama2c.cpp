@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The llama2.c tokenizer: SentencePiece-like pieces with merge scores, byte fallback, BOS = 1.
 #include <cctype>
 #include <cstdio>

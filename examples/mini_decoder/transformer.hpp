@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The Llama forward pass: RMSNorm, RoPE, GQA attention (supplied by the caller: the KV
 //! cache lives outside), SwiGLU, tied or separate LM head.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The decode client of the demo: admits one request (full or selective) from the exporter,
 // decodes synthetic tokens through block-sparse attention, and reports one "result" line.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prefill/decode disaggregation demo: a prefill server process exports a request's KV through a
 // kv_exporter; decode client processes admit the same request densely (full) and selectively,
 // decode through block-sparse attention, and report bytes moved at admission and over the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The demo on a real model (the mini-decoder's): the prefill server prefills a prompt and exports
 // every layer's K,V; the decode client adopts the request into a `tiered_kv_cache` whose
 // capacity tier is the exporter's memory (disagg/remote_cache.hpp), `full` (all_resident) or

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Synthetic KV and queries for the prefill/decode demo (`--synthetic`; model_run.hpp runs a model).
 #pragma once
 

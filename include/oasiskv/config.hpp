@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Library-wide configuration: version, host/device annotations, branch hints.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `tiered_kv_cache<Policies>`: the facade an engine's decode loop calls.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Options, statistics and reports of `tiered_kv_cache`.
 #pragma once

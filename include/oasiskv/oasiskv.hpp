@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Umbrella header: every host-safe OasisKV header (no CUDA, no third-party dependency).
 #pragma once

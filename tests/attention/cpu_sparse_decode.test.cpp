@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cpu::sparse_decode against reference_decode: every dtype x head dim x GQA ratio x block fill x
 // table granularity x code path x thread count, multi-token queries, batches, LSE merging, bad
 // input, and the thread pool it runs on.

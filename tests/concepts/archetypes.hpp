@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Archetypes: minimal types that model each concept exactly, and variants that each lack one
 //! required expression. The concept tests check both sides of every concept.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cuda::device_tier, cuda::pinned_host_tier and cuda::copy_engine: the concepts they model, and
 // on a device, byte-exact scattered copies through both paths, the validation before any copy,
 // and a gather captured in a CUDA graph.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The core headers in device code: dtype conversions and pool views give on the GPU exactly what
 // they give on the host.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Shared by the CUDA tests: skip cleanly where no device can run them.
 #pragma once
 

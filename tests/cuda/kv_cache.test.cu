@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The facade assembled from CUDA policies: blocks staged from pinned host memory into device
 // memory by cuda::copy_engine, attention by cuda::sparse_decode over tables the cache builds on
 // the host. With a budget covering the context it must equal dense attention; with a small one

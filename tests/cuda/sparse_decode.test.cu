@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cuda::sparse_decode against reference_decode: dtypes, head dims, GQA groups, 1-16 causal query
 // tokens, shared and per-head tables, one split and several; and the checks before any launch.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cuda::topk_selector against the CPU lookahead predictor (minmax_summary<f16>, max aggregation,
 // shared and per-KV-head tables), and a whole step (select on the GPU, decode) captured in a CUDA
 // graph and replayed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helper process of the disaggregation tests.
 //   disagg_proc export <requests> <tokens> <lease_ms> <lifetime_s> [first_seq] [kv]
 //     publishes requests first_seq.. with the test pattern (`kv`: finite f16 KV), prints

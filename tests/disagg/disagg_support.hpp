@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Shared by the disaggregation tests and their helper process: a layout, a token, a
 //! deterministic KV pattern, and spawning a helper with a bounded lifetime.

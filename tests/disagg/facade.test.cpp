@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tiered_kv_cache over UCX: an exporter in another process, its request adopted into a cache
 // whose capacity tier is the exporter's memory plus a local tail (remote_capacity_tier) and whose
 // transfer engine routes remote blocks to UCX gets (remote_transfer). Decode steps (append,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Failure tests, over tcp and over sm (ctest runs the suite with each): a killed or stopped
 // exporter fails its own sequences within the batch deadline while another exporter's go on; a
 // dead decode node's leases lapse and it releases nothing it does not own. Over shared memory

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The exporter and the decode side on 127.0.0.1, over whatever UCX_TLS says (ctest runs this
 // binary with tcp and with sm). Every fetched byte is compared with the source pattern.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // remote_sequence over two processes: what each admission mode reads, and every staged block
 // byte-equal to the exporter's.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // tiered_kv_cache::adopt: sequences whose blocks already lie in the capacity tier. Over a plain
 // host tier, and over a composite tier whose first part is read-only (the shape of a prefill
 // node's memory, here an in-memory block-I/O tier), with the routing engine: decode steps match

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The facade assembled from every combination of the shipped predictors, schedulers and kernels
 // runs one suite: with a budget covering the whole context, attend equals dense attention; with
 // a smaller budget, the oracle predictor with fetch-on-miss equals sparse attention over the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The facade with scheduler `on_demand_fetcher<>`, predictors x kernels
 // (combinations.hpp).
 #include "kv_cache/combinations.hpp"

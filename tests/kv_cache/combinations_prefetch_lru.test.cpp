@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The facade with scheduler `lookahead_prefetcher<lru_eviction>`, predictors x kernels
 // (combinations.hpp).
 #include "kv_cache/combinations.hpp"

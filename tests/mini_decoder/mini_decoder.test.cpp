@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The mini-decoder on real models: reference outputs, speculative == plain, sparse == dense
 // when the budget covers the context, and clear errors on bad input.
 #include <doctest/doctest.h>

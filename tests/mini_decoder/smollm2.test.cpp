@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // SmolLM2-135M-Instruct (GGUF Q4_1): prefill logits against an independent numpy reference
 // (tools/smollm2_reference.py), and the decode paths on a real 30-layer GQA model. Runs only
 // where scripts/fetch-models.sh has put the model in ./models/ (tests never download).

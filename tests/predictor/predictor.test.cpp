@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Importance predictors: every model runs the same invariant cases (kept blocks, budget,
 // ascending tables, per-head tables, determinism, no allocation in steady state, bad input);
 // then what each one promises: exact top-k, the aggregations' documented difference, lookahead

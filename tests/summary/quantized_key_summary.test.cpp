@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // quantized_key_summary<Bits>: exact scores in the quantized domain, the exact block log-mass,
 // incremental updates equal to a one-shot build, and what mass aggregation does with it.
 #include <doctest/doctest.h>

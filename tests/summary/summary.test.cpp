@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block summaries: every model runs the same cases (incremental == bulk, reset, bad input,
 // every scoring path agrees); then what each one promises (minmax: an upper bound, tight on one
 // token; mean: the mean key's dot product).

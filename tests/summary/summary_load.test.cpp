@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Summaries shipped with adopted blocks: `minmax_summary::load` and
 // `quantized_minmax_summary::load` take the f16 max/min wire format of
 // `disagg::summarize_block`, and a loaded entry bounds the block's keys as one computed by

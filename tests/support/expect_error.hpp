@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The one way the tests check bad input: `f()` must throw `oasiskv::error` with `code`, and its
 //! message must contain `needle` (the offending value it names).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! A block-I/O tier in memory whose reads can be held back by a gate and can fail on a poisoned
 //! slot: it makes in-flight states and run-time transfer failures deterministic in tests.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Test fixtures: pools of random KV blocks, block tables over them, and the buffers of one
 //! decode call. Shared by the reference tests and every kernel's tests.
 #pragma once

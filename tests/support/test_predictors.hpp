@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Predictors defined outside the library, as an engine would write them: they exercise the
 //! facade through the `importance_predictor` concept alone.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // composite_tier (two tiers as one pool, routed by slot range; a read-only first part) and
 // routing_engine (each part's copies through its own engine), without UCX: the first part is an
 // in-memory block-I/O tier whose reads can be held back or fail.

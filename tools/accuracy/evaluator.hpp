@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Scores every predictor configuration at one (step, layer) against the oracle: the
 //! top blocks by the true next query's exact attention mass. Everything a predictor sees was

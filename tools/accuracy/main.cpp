@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `accuracy`: does the lookahead predict the blocks the next step attends to, well
 //! enough that the output stays that of full attention? Runs a real model over real text,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Decode loops over one prefilled context: the dense greedy run that feeds the
 //! evaluator, and teacher-forced runs (dense or with block-sparse attention in the loop) that

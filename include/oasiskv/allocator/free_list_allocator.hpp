@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `free_list_allocator`: O(1) slot ids of a fixed pool.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `refcounted_allocator<A>`: shared slots (prefix sharing) over any block allocator.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cpu::sparse_decode`: block-sparse decode attention on the CPU, one pass over the
 //! selected K and V bytes, at (close to) the memory-read bandwidth.

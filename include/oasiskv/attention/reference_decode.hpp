@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `reference_decode`: the naive decode attention every kernel is checked against.
 #pragma once

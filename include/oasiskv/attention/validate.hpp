@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Host-side validation of a `decode_params` whose tables live in host memory. Every CPU
 //! kernel runs it before touching data, so that bad input is an `oasiskv::error`, never a read out

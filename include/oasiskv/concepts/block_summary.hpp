@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The `block_summary` concept.
 #pragma once

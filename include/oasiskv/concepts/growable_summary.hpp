@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The `growable_summary` concept: a `block_summary` whose capacity can grow in place.
 #pragma once

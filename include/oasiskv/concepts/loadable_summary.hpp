@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The `loadable_summary` concept: a `block_summary` that takes entries computed elsewhere.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Checks an engine author's policy bundle, one readable diagnostic per policy.
 //!

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The `row_scoring_summary` concept: a `block_summary` that also writes its scores row by
 //! row.

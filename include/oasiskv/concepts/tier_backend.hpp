@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The `tier_backend` concept and its refinements `addressable_tier`,
 //! `host_accessible_tier`, `block_io_tier` and `batched_block_io_tier`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Host-only: x86 CPU features that the compilers' `__builtin_cpu_supports` does not name
 //! everywhere (clang 14 has no "f16c").

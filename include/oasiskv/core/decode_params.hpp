@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `decode_params`: one call of a sparse decode-attention kernel over a batch.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief KV element types (f32, f16, bf16) and their conversions, usable on host and device.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `oasiskv::error`: the one exception type of the library, with an error code.
 #pragma once

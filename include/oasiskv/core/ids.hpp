@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Identifiers: slots of a tier's pool, sequences, and a block's place in a sequence.
 #pragma once

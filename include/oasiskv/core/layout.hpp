@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `kv_layout`: the shape of a model's KV cache and of one block slot.
 #pragma once

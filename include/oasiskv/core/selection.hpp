@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Vocabulary of prediction: the queries a predictor scores with, its budget, and the
 //! selection it returns.

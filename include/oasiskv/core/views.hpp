@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Trivially copyable views that kernels take by value: a pool of block slots and a block
 //! table. They own nothing; host and device code read them alike.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cuda::copy_engine`: batches of scattered block copies from pinned host memory into a
 //! device tier, on a dedicated stream, with CUDA events as tickets.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Umbrella header of the CUDA models (nvcc only): tiers, copy engine, decode attention
 //! and the GPU block selection.

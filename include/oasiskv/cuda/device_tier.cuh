@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cuda::device_tier`: a pool of block slots in one device allocation (the fast tier).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The SM-driven block gather: whole-slot copies, 16 bytes per load, from any memory the
 //! device can address (pinned host memory through UVA, or device memory) into device slots.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cuda::pinned_host_tier`: the capacity tier in page-locked host memory, registered with
 //! CUDA in chunks of whole slots so a device can copy (DMA or an SM gather through UVA) from it.

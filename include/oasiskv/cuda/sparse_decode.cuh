@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cuda::sparse_decode`: block-sparse paged decode attention on the GPU (split-K
 //! flash-decoding, GQA groups sharing each K/V load, 1-16 causal query tokens, f16/bf16/f32 KV

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cuda::topk_selector`: the lookahead prediction on the GPU. Scores every block's
 //! min/max summary against the lookahead queries and writes each table's top blocks, translated

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `kv_exporter`: the prefill side. Holds finished requests' KV in a registered host
 //! arena and serves the decode nodes that read it: a token-checked control channel on TCP hands

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The control protocol between a prefill node's `kv_exporter` and a decode node: framed,
 //! versioned, little-endian messages, each parsed and validated in full before any field is used.

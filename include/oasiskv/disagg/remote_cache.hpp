@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The policies that make a prefill node's memory the capacity tier of a
 //! `tiered_kv_cache`, and `adopted_request`, one remote request admitted into such a cache.

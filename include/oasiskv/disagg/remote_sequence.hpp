@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `remote_sequence`: a request admitted to a decode node from an exporter, densely
 //! (`full`: the whole KV copied at admission) or selectively (`selective`: the block summaries,

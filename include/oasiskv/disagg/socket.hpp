@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Blocking TCP helpers for the control channel, every wait bounded by a deadline.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Thin owning wrappers over the UCX objects both sides use: a context with RMA, a worker,
 //! a memory registration with its packed rkey. Errors become `oasiskv::error`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `ucx_engine`: reads blocks of a remote (exporter) tier into a local host tier with UCX
 //! gets, many in flight, progressed by its own thread; every batch has a deadline.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `ucx_peer` (one exporter as a `ucx_engine` sees it) and `remote_block_source` (what the
 //! engine needs of a remote tier).

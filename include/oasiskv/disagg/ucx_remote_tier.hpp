@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `ucx_remote_tier`: the decode side's view of one exporter's KV arena. Its slots are
 //! the exporter's slots; `ucx_engine` reads them with UCX gets.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Bounds-checked little-endian encoding for the disaggregation control protocol. Every
 //! read is checked against what is left, so a hostile or truncated message raises

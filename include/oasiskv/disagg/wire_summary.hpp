@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The block summary the exporter ships: per KV head, the elementwise maximum and
 //! minimum key of the block in f16 (Quest bounds), rounded outward so the bound survives.

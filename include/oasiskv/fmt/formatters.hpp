@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `fmt::formatter` specialisations for OasisKV's vocabulary types (optional; needs fmt,
 //! through the `oasiskv::fmt` target).

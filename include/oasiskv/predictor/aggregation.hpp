@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief How a predictor folds the scores of many query rows (lookahead tokens x the q heads of
 //! a GQA group, and for a shared selection every KV head) into one score per block, and whether

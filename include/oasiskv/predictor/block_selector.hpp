@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief What every predictor shares: checking its input, and turning one score per block into
 //! a table that keeps the sinks, the recent window and the top blocks under the budget.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `lookahead_predictor` (the OasisKV one: drafted tokens' queries, a step early) and
 //! `current_query_predictor` (Quest: the true query at attention time). Both score every block

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `oracle_predictor`: the blocks that receive the most exact attention mass. For
 //! evaluation only: it reads every key, which is what a predictor exists to avoid.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `recency_predictor`: the attention sinks and the most recent blocks (StreamingLLM).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Eviction policies of the staging scheduler: which resident block gives up its slot.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `staging_scheduler`: residency of the fast tier, prefetch, eviction and `acquire`.
 #pragma once

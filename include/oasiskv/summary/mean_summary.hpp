@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `mean_summary`: the mean key of each block and head, a cheap estimate (not a bound) of
 //! how much a query attends to the block.

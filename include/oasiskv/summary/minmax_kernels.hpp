@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The scoring kernels of `minmax_summary`. Entries are stored in tiles of 16,
 //! interleaved per dimension, so that one vector holds one dimension's bound for 16 entries:

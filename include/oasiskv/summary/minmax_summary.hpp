@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `minmax_summary`: Quest's per-block elementwise key bounds, an upper bound of every
 //! query's largest dot product with the block's keys.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `quantized_key_summary<Bits>` (`int8_key_summary`, `int4_key_summary`): a low-bit copy
 //! of every key, scored exactly in the quantized domain, and the exact block softmax mass.

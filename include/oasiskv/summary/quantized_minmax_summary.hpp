@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `quantized_minmax_summary`: Quest's min/max bounds in int8 with a power-of-two scale
 //! per (entry, KV head), scored with AVX512_VNNI integer dot products. Still an upper bound.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The inner loop every summary scores with: one stored vector per entry against a few
 //! query rows, in f32, for entries stored as f32, f16 or bf16. AVX-512 and AVX2 paths are

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Argument checks shared by the `block_summary` models.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `composite_tier<First, Second>`: two tiers seen as one pool of slots, routed by slot
 //! range. The capacity tier of a cache whose sequences arrive with their blocks already in one

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `file_tier`: a pool of block slots in a file on local storage (an SSD), read and
 //! written with O_DIRECT through io_uring or a pread thread pool.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `host_tier`: a pool of block slots in one contiguous host allocation.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cpu_copy_engine`: block copies between host-reachable tiers on a worker thread.
 #pragma once

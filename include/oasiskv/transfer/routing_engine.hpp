@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `routing_engine<E1, E2>`: copies out of a `composite_tier`, each part's blocks through
 //! its own engine (UCX gets for a remote part, memcpy for a local one).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An allocator whose allocate() returns a raw id (no way to say "full").
 #include "oasiskv/oasiskv.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A kernel with the wrong entry point name.
 #include "oasiskv/oasiskv.hpp"
 

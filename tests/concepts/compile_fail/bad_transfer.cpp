@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine without test(): the caller could never poll a transfer.
 #include <span>
 

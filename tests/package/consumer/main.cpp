@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine's code: a policy of its own (a FIFO slot allocator) in a bundle with shipped ones,
 // and one sparse decode step over blocks staged from a capacity tier.
 #include <oasiskv/oasiskv.hpp>

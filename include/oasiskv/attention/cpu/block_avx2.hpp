@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The AVX2 + FMA + F16C block function of the CPU decode kernel: every head dim (a
 //! multiple of 8) on pre-AVX-512 x86, and the generic head dims everywhere.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The AVX-512 path of the CPU decode kernel, for head dims 64 and 128: a `range_fn` that
 //! walks a task's blocks itself.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The portable block function of the CPU decode kernel: plain C++ for machines (or
 //! builds) without the x86 SIMD paths, and the yardstick the SIMD paths are tested against.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The instruction sets the CPU kernels are compiled for, and the run-time choice among
 //! them. Kernels are compiled with function-level target attributes, so a consumer builds with

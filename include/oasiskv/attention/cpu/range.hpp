@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief One task of the CPU decode kernel as its code paths see it (a range of one table's
 //! entries, for one or all KV heads), the causal visibility of a block, and the generic driver

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The online-softmax state that the CPU decode kernels carry from block to block, the
 //! per-block arguments of their SIMD block functions, and the log-sum-exp merge of partial

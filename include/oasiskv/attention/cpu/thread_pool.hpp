@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cpu::thread_pool`: a persistent pool that runs one parallel loop at a time, the
 //! threading policy of the CPU attention kernels.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Kernels of `cuda::sparse_decode`: split-K flash-decoding over a block table, and the
 //! log-sum-exp merge of the splits.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief 16-byte vectors of stored KV elements (f32, f16, bf16) widened to f32 in registers.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief CUDA runtime helpers shared by the CUDA models: error translation into
 //! `oasiskv::error`, device selection, and the pointer checks that guard every kernel boundary.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Kernels of `cuda::block_selector`: min/max summary scoring and a CTA-per-table radix
 //! top-k that writes the block table (with staging slots) on the device.

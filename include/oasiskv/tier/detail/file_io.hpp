@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief Building blocks of `file_tier`: aligned buffers, the backing file, one synchronous block
 //! transfer, and a pool of reusable objects. Not part of the public API.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The portable `file_tier` backend: a few threads doing pread/pwrite, so that a batch's
 //! blocks are in flight together even where io_uring is unavailable. Not part of the public API.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The io_uring backend of `file_tier`: one ring keeps up to its queue depth of block
 //! transfers in flight from a single thread. Compiled only with `OASISKV_WITH_LIBURING` (the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The write-behind queue of `file_tier`: writes return once their block is copied, a
 //! writer thread hands them to the device in batches, and reads of a slot whose newest content

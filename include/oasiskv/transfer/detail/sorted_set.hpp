@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief A set kept as a sorted vector, for the transfer engines' bookkeeping of in-flight
 //! destinations: a batch adds and removes a few keys among a few hundred, and a vector that keeps
