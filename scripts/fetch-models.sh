@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Fetches SmolLM2-135M-Instruct (GGUF Q4_1, Apache-2.0) for examples/mini_decoder into ./models/
-# (ignored by git) and verifies its sha256. The tiny llama2.c model needs no download: it is in
-# ../shared/models/stories260K/ beside the clone.
+# (ignored by git) and verifies its sha256. The tiny llama2.c model needs no download: the
+# repository ships it in tests/data/stories260K/.
 #
 #   scripts/fetch-models.sh [DIR]     # DIR defaults to ./models
 set -euo pipefail
@@ -31,9 +31,3 @@ else
   echo "== $dir/$name fetched and verified"
 fi
 
-stories="$root/../shared/models/stories260K"
-if [ -f "$stories/stories260K.bin" ]; then
-  echo "== tiny model: $stories/stories260K.bin (tokenizer tok512.bin beside it)"
-else
-  echo "note: $stories/ is not beside this clone; the stories260K tests will fail without it" >&2
-fi

@@ -56,7 +56,7 @@ class mapped_file {
 
 //! The hint appended to every "model missing or unreadable" error.
 inline constexpr const char* fetch_hint =
-    "; fetch it with scripts/fetch-models.sh (SmolLM2 -> ./models/) or use "
-    "../shared/models/stories260K/stories260K.bin";
+    "; fetch SmolLM2 with scripts/fetch-models.sh (into ./models/), or use the tiny model the "
+    "repository ships: tests/data/stories260K/stories260K.bin";
 
 }  // namespace mini_decoder

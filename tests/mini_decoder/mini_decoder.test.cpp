@@ -16,8 +16,8 @@ using namespace mini_decoder;
 
 namespace {
 
-const std::string models_dir = MINI_DECODER_SHARED_MODELS;  // ../shared/models beside the tree
-const std::string stories = models_dir + "/stories260K/stories260K.bin";
+const std::string stories_dir = MINI_DECODER_STORIES_DIR;  // tests/data/stories260K
+const std::string stories = stories_dir + "/stories260K.bin";
 
 std::string read_all(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -80,7 +80,7 @@ TEST_CASE("stories260K greedy reproduces llama2.c's reference output") {
   // llama2.c -n 256 forwards positions 0..255 and prints the token each one produces.
   o.max_tokens = 257 - static_cast<std::uint32_t>(prompt.size());
   const auto gen = run(m, prompt, o);
-  CHECK(render(m, prompt, gen) == read_all(models_dir + "/stories260K/reference-greedy-n256.txt"));
+  CHECK(render(m, prompt, gen) == read_all(stories_dir + "/reference-greedy-n256.txt"));
 }
 
 TEST_CASE("greedy speculative decoding equals greedy decoding (dense, both draft kinds)") {
@@ -187,7 +187,7 @@ TEST_CASE("bad input gives one clear error") {
   SUBCASE("truncated llama2.c checkpoint") {
     const std::string bytes = read_all(stories);
     const auto p = temp_file("trunc.bin", bytes.substr(0, bytes.size() / 2));
-    std::filesystem::copy_file(models_dir + "/stories260K/tok512.bin",
+    std::filesystem::copy_file(stories_dir + "/tok512.bin",
                                std::filesystem::path(p).parent_path() / "tok512.bin",
                                std::filesystem::copy_options::overwrite_existing);
     CHECK(error_of([&] { load_model(p); }).find("truncated") != std::string::npos);
