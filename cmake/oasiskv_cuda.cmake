@@ -3,11 +3,16 @@
 # a consumer's .cu targets keep the CMAKE_CUDA_ARCHITECTURES that the consumer chose.
 find_package(CUDAToolkit REQUIRED)
 
+file(GLOB_RECURSE _oasiskv_cuda_headers CONFIGURE_DEPENDS
+     RELATIVE "${PROJECT_SOURCE_DIR}" "${PROJECT_SOURCE_DIR}/include/oasiskv/cuda/*.cuh")
+
 add_library(oasiskv_cuda INTERFACE)
 add_library(oasiskv::cuda ALIAS oasiskv_cuda)
 target_link_libraries(oasiskv_cuda INTERFACE oasiskv CUDA::cudart)
 target_compile_options(oasiskv_cuda INTERFACE
   $<$<COMPILE_LANGUAGE:CUDA>:--extended-lambda --expt-relaxed-constexpr>)
+target_sources(oasiskv_cuda INTERFACE
+  FILE_SET HEADERS BASE_DIRS "${PROJECT_SOURCE_DIR}/include" FILES ${_oasiskv_cuda_headers})
 set_target_properties(oasiskv_cuda PROPERTIES EXPORT_NAME cuda)
 
 # The settings of the project's own CUDA binaries (tests, benchmarks): defined only when those
