@@ -1,19 +1,25 @@
 # Third-party dependencies of the project's own tests, examples and benchmarks: the system's
 # packages through find_package first, FetchContent as the fallback (FIND_PACKAGE_ARGS). The core
 # target uses none of them.
-include(FetchContent)
+#
+# In a consumer's build (OasisKV added to another project without its own binaries) nothing is
+# declared to FetchContent: the first declaration of a name wins, so one made here would take the
+# place of the consumer's own later FetchContent_Declare(fmt ...).
+if(_oasiskv_own_binaries)
+  include(FetchContent)
+endif()
 
 macro(oasiskv_find_fmt)
   if(NOT TARGET fmt::fmt)
-    FetchContent_Declare(fmt
-      GIT_REPOSITORY https://github.com/fmtlib/fmt.git
-      GIT_TAG 10.2.1
-      GIT_SHALLOW TRUE
-      FIND_PACKAGE_ARGS 9 CONFIG)
-    if(OASISKV_BUILD_TESTS OR OASISKV_BUILD_EXAMPLES OR OASISKV_BUILD_BENCHMARKS)
+    if(_oasiskv_own_binaries)
+      FetchContent_Declare(fmt
+        GIT_REPOSITORY https://github.com/fmtlib/fmt.git
+        GIT_TAG 10.2.1
+        GIT_SHALLOW TRUE
+        FIND_PACKAGE_ARGS 9 CONFIG)
       FetchContent_MakeAvailable(fmt)
     else()
-      # A consumer's build: use fmt only if it is already there; never download it for them.
+      # A consumer's build: use fmt (for oasiskv::fmt) only if it is there; never fetch it.
       find_package(fmt 9 QUIET CONFIG)
     endif()
   endif()
