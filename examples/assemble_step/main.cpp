@@ -43,6 +43,16 @@ std::uint32_t parse(const char* s, const char* name) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::printf(
+        "usage: assemble_step [context_tokens=4096] [budget_tokens=512]\n"
+        "One decode-attention step assembled from OasisKV's policies, compared with dense.\n");
+    return 0;
+  }
+  if (argc > 3) {
+    std::fprintf(stderr, "assemble_step: unexpected argument '%s' (see --help)\n", argv[3]);
+    return 2;
+  }
   const std::uint32_t context = argc > 1 ? parse(argv[1], "context_tokens") : 4096;
   const std::uint32_t budget_tokens = argc > 2 ? parse(argv[2], "budget_tokens") : 512;
   // SmolLM2-135M's attention shape: 9 q heads sharing 3 KV heads, head_dim 64, f16 KV.

@@ -16,6 +16,7 @@ namespace {
 
 struct cli_options {
   std::string model, prompt, prompt_file, tokenizer, mode = "dense", draft = "none", compare;
+  std::string expect_answer;  // text each answer is checked for (case-insensitive)
   decoder_options dec;
   bool chat = false, quiet = false;
   int threads = 1;
@@ -33,6 +34,49 @@ std::string read_file(const std::string& path) {
 
 std::string mib(std::uint64_t b) {
   return fmt::format("{:.2f} MiB", b / 1048576.0);
+}
+
+std::string lower(std::string s) {
+  for (char& ch : s) {
+    if (ch >= 'A' && ch <= 'Z') {
+      ch = static_cast<char>(ch - 'A' + 'a');
+    }
+  }
+  return s;
+}
+
+std::string text_of(const model& m, int prev, const std::vector<int>& tokens) {
+  std::string out;
+  for (int t : tokens) {
+    out += m.tok->decode(prev, t);
+    prev = t;
+  }
+  return out;
+}
+
+// One line under an answer: whether it contains the expected text.
+bool report_expected(const std::string& answer, const std::string& expected) {
+  const bool found = lower(answer).find(lower(expected)) != std::string::npos;
+  std::printf("   contains \"%s\": %s\n", expected.c_str(), found ? "yes" : "no");
+  return found;
+}
+
+// The tokens two runs share: the common prefix and the equal positions.
+struct agreement {
+  std::size_t prefix = 0, same = 0, length = 0;
+};
+
+agreement agreement_of(const std::vector<int>& a, const std::vector<int>& b) {
+  agreement g;
+  const std::size_t n = std::min(a.size(), b.size());
+  while (g.prefix < n && a[g.prefix] == b[g.prefix]) {
+    ++g.prefix;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    g.same += a[i] == b[i];
+  }
+  g.length = std::max(a.size(), b.size());
+  return g;
 }
 
 void print_table(const cli_options& cli, const generation_report& r, const generation_report* dense,
@@ -90,18 +134,10 @@ void print_table(const cli_options& cli, const generation_report& r, const gener
                        x.dense_kv_bytes ? double(x.fast_tier_bytes) / x.dense_kv_bytes : 0.0);
   });
   if (dense_tokens != nullptr) {
-    std::size_t same_prefix = 0, same = 0;
-    const std::size_t n = std::min(tokens.size(), dense_tokens->size());
-    while (same_prefix < n && tokens[same_prefix] == (*dense_tokens)[same_prefix])
-      ++same_prefix;
-    for (std::size_t i = 0; i < n; ++i)
-      same += tokens[i] == (*dense_tokens)[i];
-    row("agreement with dense (prefix)", fmt::format("{}/{}", same_prefix, dense_tokens->size()),
-        "");
+    const agreement g = agreement_of(tokens, *dense_tokens);
+    row("agreement with dense (prefix)", fmt::format("{}/{}", g.prefix, dense_tokens->size()), "");
     row("agreement with dense (positions)",
-        fmt::format("{:.1f}%",
-                    n ? 100.0 * same / std::max(tokens.size(), dense_tokens->size()) : 100.0),
-        "");
+        fmt::format("{:.1f}%", g.length ? 100.0 * g.same / g.length : 100.0), "");
   }
 }
 
@@ -143,30 +179,77 @@ int run(cli_options& cli) {
   };
   cli.dec.progress = progress;
   decoder dec(*m, cli.dec);
+  const bool compare = cli.compare == "dense";
+  const std::string name =
+      cli.mode == "dense"   ? std::string("dense")
+      : cli.mode == "oasis" ? fmt::format("OasisKV, budget {} tokens", cli.dec.budget_tokens)
+                            : fmt::format("{}, budget {} tokens", cli.mode, cli.dec.budget_tokens);
+  // A single run streams its tokens; a pair prints each answer whole once it is done, so the
+  // progress lines on stderr never overwrite an answer on the same terminal line.
+  const bool labelled = compare || !cli.expect_answer.empty();
   int prev = prompt.back();
   const std::vector<int> tokens = dec.generate(prompt, [&](int t) {
-    if (!cli.quiet) {
+    if (!cli.quiet && !labelled) {
       std::fputs(m->tok->decode(prev, t).c_str(), stdout);
       std::fflush(stdout);
     }
     prev = t;
     return true;
   });
-  if (!cli.quiet)
+  const std::string answer = text_of(*m, prompt.back(), tokens);
+  auto print_answer = [&](const std::string& label, const std::string& said) {
+    if (!cli.quiet) {
+      std::printf("\n== answer (%s):\n%s\n", label.c_str(), said.c_str());
+    }
+    const bool has = cli.expect_answer.empty() || report_expected(said, cli.expect_answer);
+    std::fflush(stdout);
+    return has;
+  };
+  bool found = true, dense_found = true;
+  if (labelled) {
+    found = print_answer(name, answer);
+  } else if (!cli.quiet) {
     std::fputs("\n", stdout);
-  std::fflush(stdout);
+    std::fflush(stdout);
+  }
   generation_report dense_report;
   std::vector<int> dense_tokens;
-  const bool compare = cli.compare == "dense";
   if (compare) {
     decoder_options d = cli.dec;
     d.mode = attention_mode::dense;
     decoder dense(*m, d);
     dense_tokens = dense.generate(prompt);
     dense_report = dense.report();
+    dense_found = print_answer("dense, the whole KV in fast memory",
+                               text_of(*m, prompt.back(), dense_tokens));
   }
-  print_table(cli, dec.report(), compare ? &dense_report : nullptr, tokens,
-              compare ? &dense_tokens : nullptr);
+  const generation_report r = dec.report();
+  print_table(cli, r, compare ? &dense_report : nullptr, tokens, compare ? &dense_tokens : nullptr);
+  if (compare) {
+    // Memory against what dense attention needs at the final length (not the pool dense mode
+    // allocates for the whole context), so the ratio never flatters OasisKV.
+    const agreement g = agreement_of(tokens, dense_tokens);
+    const double speed =
+        r.decode_tokens_per_second() / std::max(1e-9, dense_report.decode_tokens_per_second());
+    const double memory =
+        double(r.dense_kv_bytes) / double(std::max<std::uint64_t>(1, r.fast_tier_bytes));
+    std::string facts;
+    if (!cli.expect_answer.empty()) {
+      facts =
+          found && dense_found ? fmt::format("; both answers contain \"{}\"", cli.expect_answer)
+          : found ? fmt::format("; only the {} answer contains \"{}\"", cli.mode, cli.expect_answer)
+          : dense_found ? fmt::format("; only the dense answer contains \"{}\"", cli.expect_answer)
+                        : fmt::format("; neither answer contains \"{}\"", cli.expect_answer);
+    }
+    std::fflush(stderr);
+    std::printf(
+        "\nverdict: %s (budget %u tokens) decoded at %.2fx dense's speed, holding %s of KV in fast "
+        "memory where dense needs %s (%.2fx less); %zu of %zu tokens equal dense's%s\n",
+        cli.mode == "oasis" ? "OasisKV" : cli.mode.c_str(), cli.dec.budget_tokens, speed,
+        mib(r.fast_tier_bytes).c_str(), mib(r.dense_kv_bytes).c_str(), memory, g.same, g.length,
+        facts.c_str());
+    std::fflush(stdout);
+  }
   return 0;
 }
 
@@ -176,19 +259,30 @@ int main(int argc, char** argv) {
   CLI::App app{"mini_decoder: a Llama-family decoder whose attention runs through OasisKV"};
   cli_options cli;
   decoder_options& d = cli.dec;
-  app.add_option("--model", cli.model, "GGUF or llama2.c model file")->required();
+  app.add_option("--model", cli.model, "GGUF or llama2.c model file")
+      ->required()
+      ->check(CLI::ExistingFile);
   app.add_option("--tokenizer", cli.tokenizer, "llama2.c tokenizer (default: beside the model)");
   app.add_option("--prompt", cli.prompt, "prompt text");
   app.add_option("--prompt-file", cli.prompt_file, "file holding the prompt");
   app.add_flag("--chat", cli.chat, "wrap the prompt in the model's ChatML template");
-  app.add_option("--max-tokens", d.max_tokens, "tokens to generate")->capture_default_str();
+  app.add_option("--max-tokens", d.max_tokens, "tokens to generate")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 24));
   app.add_flag("--ignore-eos", d.ignore_eos,
                "keep generating past the end token (equal-length runs for speed comparisons)");
-  app.add_option("--mode", cli.mode, "dense|oasis|quest|recency|on-demand")->capture_default_str();
+  app.add_option("--mode", cli.mode, "dense|oasis|quest|recency|on-demand")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dense", "oasis", "quest", "recency", "on-demand"}));
   app.add_option("--budget", d.budget_tokens, "tokens attended per layer and step")
-      ->capture_default_str();
-  app.add_option("--block", d.block_tokens, "tokens per KV block")->capture_default_str();
-  app.add_option("--draft", cli.draft, "self|ngram|none")->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--block", d.block_tokens, "tokens per KV block")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--draft", cli.draft, "self|ngram|none")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"self", "ngram", "none"}));
   app.add_option("--draft-len", d.draft_len, "tokens drafted per round (1-15)")
       ->capture_default_str();
   app.add_option("--draft-layers", d.draft_layers, "layers of the self-speculative draft")
@@ -198,15 +292,25 @@ int main(int argc, char** argv) {
   app.add_option("--seed", d.seed, "sampling seed")->capture_default_str();
   app.add_option("--context", d.context, "context length (0: the model's)")->capture_default_str();
   app.add_option("--rope-scale", d.rope_scale, "multiplies RoPE theta")->capture_default_str();
-  app.add_option("--threads", cli.threads, "threads for matrix products")->capture_default_str();
+  app.add_option("--threads", cli.threads, "threads for matrix products")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
   app.add_option("--attention-threads", d.attention_threads, "threads of the attention kernel")
-      ->capture_default_str();
-  app.add_option("--compare", cli.compare, "also run 'dense' and report agreement");
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1024u));
+  app.add_option("--compare", cli.compare, "also run 'dense' and report agreement")
+      ->check(CLI::IsMember({"dense"}));
+  app.add_option("--expect-answer", cli.expect_answer,
+                 "text an answer should contain: say under each answer whether it does");
   app.add_flag("--quiet", cli.quiet, "print only the table");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) {  // --help
+      return app.exit(e);
+    }
+    fmt::print(stderr, "mini_decoder: error: {} (see --help)\n", e.what());
+    return 2;
   }
   try {
     return run(cli);

@@ -8,7 +8,7 @@
 // the decode clients decode greedily through a tiered_kv_cache over the exporter's memory, and
 // their tokens are compared with a local dense run of the mini-decoder.
 //
-//   pd_demo [--model ../shared/models/stories260K/stories260K.bin] [--prompt-file F]
+//   pd_demo [--model tests/data/stories260K/stories260K.bin] [--prompt-file F]
 //           [--prompt-tokens N] [--budgets 64,512] [--steps 64] [--expect-agreement]
 //   pd_demo --synthetic [--contexts 8192,32768] [--budgets 1024,2048] [--steps 64]
 //           [--bandwidth-seconds 1]
@@ -17,12 +17,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,12 +40,44 @@ extern char** environ;
 
 namespace {
 
-std::vector<std::uint32_t> parse_list(const std::string& s) {
+constexpr const char* usage_text =
+    "usage: pd_demo [--model PATH] [--prompt-file F] [--prompt-tokens N] [--budgets 64,512]\n"
+    "               [--steps 64] [--expect-agreement]\n"
+    "       pd_demo --synthetic [--contexts 8192,32768] [--budgets 1024,2048] [--steps 64]\n"
+    "               [--bandwidth-seconds 1]\n"
+    "The model defaults to tests/data/stories260K/stories260K.bin; UCX_TLS picks the transport.\n";
+
+// A bad command line: main prints "pd_demo: <what>" and the usage, and exits 2.
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A positive integer of at most `max`; anything else is a usage_error naming the flag and value.
+std::uint32_t parse_count(const std::string& flag, const std::string& v,
+                          std::uint64_t max = 0xffffffffu) {
+  std::uint64_t x = 0;
+  const bool digits =
+      !v.empty() && v.size() <= 10 && v.find_first_not_of("0123456789") == std::string::npos;
+  if (digits) {
+    x = std::stoull(v);
+  }
+  if (!digits || x == 0 || x > max) {
+    throw usage_error(flag + " '" + v + "' is not a positive integer" +
+                      (max < 0xffffffffu ? " of at most " + std::to_string(max) : std::string()));
+  }
+  return static_cast<std::uint32_t>(x);
+}
+
+// A comma-separated list of positive integers, e.g. "64,512".
+std::vector<std::uint32_t> parse_list(const std::string& s, const std::string& flag = "list") {
   std::vector<std::uint32_t> out;
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    out.push_back(static_cast<std::uint32_t>(std::stoul(item)));
+    out.push_back(parse_count(flag, item));
+  }
+  if (out.empty()) {
+    throw usage_error(flag + " '" + s + "' names no value");
   }
   return out;
 }
@@ -173,7 +207,10 @@ double mib(const std::string& bytes) {
 
 int run_synthetic(const std::vector<std::string>& a) {
   std::string contexts = "8192,32768", budgets = "1024,2048", steps = "64", bw_seconds = "1";
-  for (std::size_t i = 1; i + 1 < a.size(); i += 2) {
+  for (std::size_t i = 1; i < a.size(); i += 2) {
+    if (i + 1 >= a.size()) {
+      throw usage_error("'" + a[i] + "' needs a value");
+    }
     if (a[i] == "--contexts") {
       contexts = a[i + 1];
     } else if (a[i] == "--budgets") {
@@ -183,14 +220,13 @@ int run_synthetic(const std::vector<std::string>& a) {
     } else if (a[i] == "--bandwidth-seconds") {
       bw_seconds = a[i + 1];
     } else {
-      std::fprintf(stderr,
-                   "usage: pd_demo --synthetic [--contexts 8192,32768] [--budgets 1024,2048] "
-                   "[--steps 64] [--bandwidth-seconds 1]\n");
-      return 1;
+      throw usage_error("unknown argument '" + a[i] + "'");
     }
   }
-  const auto ctx = parse_list(contexts);
-  const auto bud = parse_list(budgets);
+  const auto ctx = parse_list(contexts, "--contexts");
+  const auto bud = parse_list(budgets, "--budgets");
+  parse_count("--steps", steps);
+  parse_count("--bandwidth-seconds", bw_seconds, 3600);
   const char* tls = std::getenv("UCX_TLS");
   std::printf(
       "pd_demo: UCX_TLS=%s, layout 8 layers x 2 kv heads x 64 (f16), 16-token blocks, "
@@ -260,42 +296,44 @@ std::vector<int> parse_tokens(const std::string& s) {
   return out;
 }
 
-// Runs the demo on a model: 77 when the model file is missing (a test skips then), 1 when
+// Runs the demo on a model: 1 when the model cannot be read, or when
 // `expect` is set and a run that attends the whole context disagrees with the local dense run.
 int run_model(const std::vector<std::string>& a) {
   pd_demo::real::setup s;
-  s.model_path = "../shared/models/stories260K/stories260K.bin";
+  s.model_path = "tests/data/stories260K/stories260K.bin";
   std::string budgets = "64,512";
   bool expect = false;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    const bool has = i + 1 < a.size();
-    if (a[i] == "--model" && has) {
-      s.model_path = a[++i];
-    } else if (a[i] == "--prompt-file" && has) {
-      s.prompt_file = a[++i];
-    } else if (a[i] == "--prompt-tokens" && has) {
-      s.prompt_tokens = static_cast<std::uint32_t>(std::stoul(a[++i]));
-    } else if (a[i] == "--budgets" && has) {
-      budgets = a[++i];
-    } else if (a[i] == "--steps" && has) {
-      s.steps = static_cast<std::uint32_t>(std::stoul(a[++i]));
-    } else if (a[i] == "--expect-agreement") {
+    if (a[i] == "--expect-agreement") {
       expect = true;
+      continue;
+    }
+    const bool known = a[i] == "--model" || a[i] == "--prompt-file" || a[i] == "--prompt-tokens" ||
+                       a[i] == "--budgets" || a[i] == "--steps";
+    if (!known) {
+      throw usage_error("unknown argument '" + a[i] + "'");
+    }
+    if (i + 1 >= a.size()) {
+      throw usage_error("'" + a[i] + "' needs a value");
+    }
+    const std::string& v = a[++i];
+    if (a[i - 1] == "--model") {
+      s.model_path = v;
+    } else if (a[i - 1] == "--prompt-file") {
+      s.prompt_file = v;
+    } else if (a[i - 1] == "--prompt-tokens") {
+      s.prompt_tokens = parse_count("--prompt-tokens", v);
+    } else if (a[i - 1] == "--budgets") {
+      budgets = v;
     } else {
-      std::fprintf(stderr,
-                   "usage: pd_demo [--model PATH] [--prompt-file F] [--prompt-tokens N] "
-                   "[--budgets 64,512] [--steps 64] [--expect-agreement]\n"
-                   "       pd_demo --synthetic [--contexts 8192,32768] [--budgets 1024,2048] "
-                   "[--steps 64] [--bandwidth-seconds 1]\n");
-      return 1;
+      s.steps = parse_count("--steps", v);
     }
   }
+  const auto bud = parse_list(budgets, "--budgets");
   if (::access(s.model_path.c_str(), R_OK) != 0) {
-    std::printf("pd_demo: model %s not found: skipped%s\n", s.model_path.c_str(),
-                mini_decoder::fetch_hint);
-    return 77;
+    throw std::runtime_error("cannot read model '" + s.model_path + "': " + std::strerror(errno) +
+                             mini_decoder::fetch_hint);
   }
-  const auto bud = parse_list(budgets);
   const auto m = mini_decoder::load_model(s.model_path);
   const auto& c = m->config;
   const std::vector<int> prompt = pd_demo::real::prompt_tokens(*m, s);
@@ -463,18 +501,27 @@ int main(int argc, char** argv) {
     std::printf("error %s\n", e.what());
     return 2;
   }
-  if (!a.empty() && a[0] == "--synthetic") {
-    return run_synthetic(a);
+  for (const auto& x : a) {
+    if (x == "--help" || x == "-h") {
+      std::fputs(usage_text, stdout);
+      return 0;
+    }
   }
-#ifdef PD_DEMO_MODEL
   try {
+    if (!a.empty() && a[0] == "--synthetic") {
+      return run_synthetic(a);
+    }
+#ifdef PD_DEMO_MODEL
     return run_model(a);
+#else
+    std::fprintf(stderr, "pd_demo: built without the mini-decoder; run with --synthetic\n");
+    return 1;
+#endif
+  } catch (const usage_error& e) {
+    std::fprintf(stderr, "pd_demo: %s\n%s", e.what(), usage_text);
+    return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "pd_demo: %s\n", e.what());
+    std::fprintf(stderr, "pd_demo: error: %s\n", e.what());
     return 1;
   }
-#else
-  std::fprintf(stderr, "pd_demo: built without the mini-decoder; run with --synthetic\n");
-  return 1;
-#endif
 }

@@ -78,20 +78,31 @@ int main(int argc, char** argv) {
   std::vector<std::uint32_t> budgets{256, 512, 1024, 2048}, blocks{16, 32};
   float rope_scale = 1.0f;
   std::uint64_t seed = 1;
-  app.add_option("--model", model_path, "GGUF or llama2.c model")->required();
-  app.add_option("--text", text_files, "files whose concatenation is the text (source=text)");
-  app.add_option("--source", source, "text (the files) or sampled (the model's own stories)");
-  app.add_option("--context", context, "prompt + continuation tokens");
-  app.add_option("--tokens", tokens, "continuation tokens decoded (greedy and held-out)");
-  app.add_option("--rope-scale", rope_scale, "RoPE theta multiplier");
-  app.add_option("--draft-len", draft_len, "drafts per step (lookahead tokens)");
+  app.add_option("--model", model_path, "GGUF or llama2.c model")
+      ->required()
+      ->check(CLI::ExistingFile);
+  app.add_option("--text", text_files, "files whose concatenation is the text (source=text)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--source", source, "text (the files) or sampled (the model's own stories)")
+      ->check(CLI::IsMember({"text", "sampled"}));
+  app.add_option("--context", context, "prompt + continuation tokens")
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--tokens", tokens, "continuation tokens decoded (greedy and held-out)")
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--rope-scale", rope_scale, "RoPE theta multiplier")
+      ->check(CLI::Range(0.01f, 1000.0f));
+  app.add_option("--draft-len", draft_len, "drafts per step (lookahead tokens)")
+      ->check(CLI::Range(1u, 15u));
   app.add_option("--drafter", drafter,
                  "ngram (prompt lookup, the default) or self (the model's first --draft-layers "
-                 "layers and its head: self-speculation)");
-  app.add_option("--draft-layers", draft_layers, "layers of the self-speculative draft");
-  app.add_option("--eval-every", eval_every, "evaluate predictors every N-th step");
-  app.add_option("--budgets", budgets, "budgets in tokens");
-  app.add_option("--blocks", blocks, "block sizes in tokens");
+                 "layers and its head: self-speculation)")
+      ->check(CLI::IsMember({"ngram", "self"}));
+  app.add_option("--draft-layers", draft_layers, "layers of the self-speculative draft")
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--eval-every", eval_every, "evaluate predictors every N-th step")
+      ->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--budgets", budgets, "budgets in tokens")->check(CLI::Range(1u, 1u << 24));
+  app.add_option("--blocks", blocks, "block sizes in tokens")->check(CLI::Range(1u, 1u << 24));
   app.add_option("--e2e", e2e_specs,
                  "sparse-in-the-loop runs, pred:agg:budget[:scoring] (pred la1 la2 la4 prev cur "
                  "recency; scoring summary (min/max f16, the default), qminmax (min/max in int8), "
@@ -99,7 +110,15 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "write every figure here");
   app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");
   app.add_option("--seed", seed, "random predictor and sampled text");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {  // --help
+      return app.exit(e);
+    }
+    fmt::print(stderr, "accuracy: error: {} (see --help)\n", e.what());
+    return 2;
+  }
   // Shared machines: spinning workers that get descheduled cost more than they give.
   omp_set_num_threads(1);
   openblas_set_num_threads(1);
