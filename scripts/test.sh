@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Builds and runs every test:
+#   0. the repository is self-contained: no tracked file refers to a path beside the clone
 #   1. formatting check (clang-format 14)
 #   2. -Wall -Wextra -Werror build of tests, examples, benchmarks and CUDA code (where nvcc is);
 #      the whole ctest suite, including the package-consumer and compile-fail tests
 #   3. the suite again under AddressSanitizer + UndefinedBehaviorSanitizer
 #   4. the concurrent parts under ThreadSanitizer
+#   5. a short run of scripts/demo.sh on the tree it tested
+# Fails when ctest fails, when a test is skipped (only the CUDA tests may skip, where no GPU is)
+# and when a test binary runs no test case.
 # Installs missing Debian packages when run as root. Build trees go to build/<preset>.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,11 +36,14 @@ failed=0
 skipped=0
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
+# Tests that may skip: the CUDA tests, where there is no driver or device (they exit 77).
+allowed_skips='^test_cuda_'
 run_ctest() {  # run_ctest <build dir> <ctest args...>: adds its counts to the totals
   local dir=$1
   shift
-  ctest --test-dir "$dir" --output-on-failure -j "$jobs" "$@" | tee "$log" || true
-  local summary total bad skip
+  local rc=0
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" "$@" | tee "$log" || rc=$?
+  local summary total bad skip name
   summary=$(grep -E '^[0-9]+% tests passed, [0-9]+ tests? failed out of [0-9]+' "$log" | tail -n 1)
   if [ -z "$summary" ]; then
     echo "error: ctest in $dir printed no summary" >&2
@@ -45,13 +52,39 @@ run_ctest() {  # run_ctest <build dir> <ctest args...>: adds its counts to the t
   fi
   total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$summary")
   bad=$(sed -E 's/.*passed, ([0-9]+) tests? failed.*/\1/' <<<"$summary")
-  skip=$(grep -cE '^\s+[0-9]+ - .*\(Skipped\)' "$log" || true)
+  if [ "$total" -eq 0 ]; then
+    echo "error: ctest in $dir ran no test" >&2
+    failed=$((failed + 1))
+  fi
+  skip=0
+  while read -r name; do
+    skip=$((skip + 1))
+    if ! [[ "$name" =~ $allowed_skips ]]; then
+      echo "error: $name was skipped; only tests matching '$allowed_skips' may skip" >&2
+      failed=$((failed + 1))
+    fi
+  done < <(sed -nE 's/^\s+[0-9]+ - ([^ ]+) \(Skipped\)$/\1/p' "$log")
+  if [ "$rc" -ne 0 ] && [ "$bad" -eq 0 ]; then
+    echo "error: ctest in $dir exited with $rc although it counted no failure" >&2
+    failed=$((failed + 1))
+  fi
   passed=$((passed + total - bad - skip))
   failed=$((failed + bad))
   skipped=$((skipped + skip))
 }
 
 phase() { echo "== $1 (at ${SECONDS}s)"; }
+
+phase "self-contained: no tracked file refers to a path beside the clone"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  if git grep -n -e '\.\./shared' -- ':!*.png'; then
+    echo "error: the files above refer to ../shared, outside the repository; copy what is needed" \
+      "into the repository instead" >&2
+    failed=$((failed + 1))
+  else
+    passed=$((passed + 1))
+  fi
+fi
 
 phase "format (clang-format-14)"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
@@ -81,6 +114,28 @@ phase "build and test: ThreadSanitizer, concurrent parts (preset tsan)"
 cmake --preset tsan >/dev/null
 cmake --build --preset tsan -j "$jobs" --target oasiskv_concurrent_tests
 TSAN_OPTIONS=halt_on_error=1 run_ctest build/tsan -L concurrent
+
+phase "the demo, briefly (scripts/demo.sh --max-tokens 12 on build/ci)"
+demo_out=$(mktemp)
+if scripts/demo.sh --build-dir build/ci --max-tokens 12 </dev/null 2>&1 | tee "$demo_out"; then
+  demo_ok=1
+  for want in '^== answer \(OasisKV, budget 1024 tokens\):' '^== answer \(dense' \
+    '^   contains "Kestrel": (yes|no)$' '^verdict: OasisKV \(budget 1024 tokens\) decoded at [0-9.]+x dense'; do
+    if ! grep -qE "$want" "$demo_out"; then
+      echo "error: the demo's output has no line matching '$want'" >&2
+      demo_ok=0
+    fi
+  done
+  if [ "$demo_ok" -eq 1 ]; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+  fi
+else
+  echo "error: scripts/demo.sh failed" >&2
+  failed=$((failed + 1))
+fi
+rm -f "$demo_out"
 
 echo "test.sh: $passed passed, $failed failed, $skipped skipped (${SECONDS}s)"
 [ "$failed" -eq 0 ]
