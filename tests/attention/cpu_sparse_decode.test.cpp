@@ -56,22 +56,9 @@ result run_reference(decode_case& c) {
   return {c.out, c.lse};
 }
 
-// Largest relative error of the LSEs; a -inf must be matched by a -inf.
-double lse_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (std::isinf(a[i]) || std::isinf(b[i])) {
-      worst = std::max(worst, a[i] == b[i] ? 0.0 : 1e30);
-      continue;
-    }
-    worst = std::max(worst, std::abs(double{a[i]} - b[i]) / std::max(1.0, std::abs(double{b[i]})));
-  }
-  return worst;
-}
-
 void check_close(const result& got, const result& want, double tol) {
   CHECK(oasiskv::testing::max_rel_error(got.out, want.out) <= tol);
-  CHECK(lse_error(got.lse, want.lse) <= tol);
+  CHECK(oasiskv::testing::max_rel_error(got.lse, want.lse) <= tol);
 }
 
 // Every code path this machine runs, at 1 and 2 threads.
@@ -423,4 +410,38 @@ TEST_CASE("thread_pool runs every index once, rethrows, and nests inline") {
     CHECK(inner.load() == 12);
   }
   CHECK_THROWS_AS(cpu::thread_pool(0), oasiskv::error);
+}
+
+// The comparison every kernel check goes through must not let a broken output pass: one NaN, one
+// unmatched infinity or one element off by more than the tolerance in a real kernel's output
+// makes the check fail.
+TEST_CASE("the kernel checks fail on one NaN, infinity or wrong element in an output") {
+  using oasiskv::testing::max_rel_error;
+  const kv_layout l = make_layout(dtype::f16, 64, 2, 4);
+  decode_case c = make_decode_case(l, {90, 33}, 2, true, pick::random_subset, 16);
+  const result want = run_reference(c);
+  const result got = run(cpu::sparse_decode{}, c);
+  REQUIRE(max_rel_error(got.out, want.out) <= tolerance(dtype::f16));
+  REQUIRE(max_rel_error(got.lse, want.lse) <= tolerance(dtype::f16));
+  for (std::size_t at : {std::size_t{0}, got.out.size() / 2, got.out.size() - 1}) {
+    CAPTURE(at);
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity(), want.out[at] + 0.5f}) {
+      CAPTURE(bad);
+      std::vector<float> broken = got.out;
+      broken[at] = bad;
+      CHECK_FALSE(max_rel_error(broken, want.out) <= tolerance(dtype::f16));
+      CHECK_FALSE(max_rel_error(want.out, broken) <= tolerance(dtype::f16));
+    }
+  }
+  std::vector<float> lse = got.lse;
+  lse.back() = std::numeric_limits<float>::quiet_NaN();
+  CHECK_FALSE(max_rel_error(lse, want.lse) <= tolerance(dtype::f16));
+  std::vector<float> empty_row = want.lse;  // -inf (a query that saw no token) matches only -inf
+  empty_row.front() = -std::numeric_limits<float>::infinity();
+  CHECK(max_rel_error(empty_row, empty_row) == 0.0);
+  CHECK_FALSE(max_rel_error(empty_row, want.lse) <= tolerance(dtype::f16));
+  CHECK_FALSE(max_rel_error(std::vector<float>(got.out.begin(), got.out.end() - 1), want.out) <=
+              tolerance(dtype::f16));
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -136,12 +137,28 @@ inline decode_case make_decode_case(const kv_layout& layout, std::vector<std::ui
   return c;
 }
 
-//! Largest |a - b| / max(1, |b|) over two equally long arrays.
+//! Largest |a - b| / max(1, |b|) over two arrays, or +inf where they cannot be compared: a NaN
+//! on either side, an infinity not matched by the same infinity (an empty row's LSE is -inf on
+//! both), or different lengths. So `max_rel_error(got, want) <= tol` fails on any of those,
+//! where a fold through std::max would keep the previous value past a NaN.
 inline double max_rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  if (a.size() != b.size()) {
+    return inf;
+  }
   double worst = 0.0;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    const double denom = std::max(1.0, std::abs(double{b[i]}));
-    worst = std::max(worst, std::abs(double{a[i]} - double{b[i]}) / denom);
+    const double x = a[i], y = b[i];
+    if (!std::isfinite(x) || !std::isfinite(y)) {
+      if (std::isnan(x) || std::isnan(y) || x != y) {
+        return inf;
+      }
+      continue;
+    }
+    const double e = std::abs(x - y) / std::max(1.0, std::abs(y));
+    if (e > worst) {
+      worst = e;
+    }
   }
   return worst;
 }
