@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # oasiskv::cuda: the CUDA models (include/oasiskv/cuda/*.cuh), for consumers compiling with nvcc.
 # An interface target over the toolkit: it sets no CUDA architecture or standard of its own, so
 # a consumer's .cu targets keep the CMAKE_CUDA_ARCHITECTURES that the consumer chose.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Third-party dependencies of the project's own tests, examples and benchmarks: the system's
 # packages through find_package first, FetchContent as the fallback (FIND_PACKAGE_ARGS). The core
 # target uses none of them.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # What the mini-decoder needs beyond the library: OpenMP, OpenBLAS (cblas.h), CLI11 and fmt.
 # Included by examples/ and tests/ (tests are configured first); sets MINI_DECODER_DEPS_FOUND.
 # Where something is missing the example and its test are skipped, never the rest of the tree.

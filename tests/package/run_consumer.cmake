@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Builds and runs tests/package/consumer against OasisKV in one of four ways (MODE):
 #   find_package  - install this build tree into a prefix, then find_package(oasiskv)
 #   fetchcontent  - FetchContent from a file:// clone of this repository at its HEAD commit

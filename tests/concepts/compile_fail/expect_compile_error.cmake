@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Builds TARGET in BUILD_DIR and succeeds only if the build fails with EXPECTED in its output and
 # exactly one "error:" from the compiler (one readable diagnostic, not pages of them).
 execute_process(
