@@ -78,7 +78,7 @@ phase() { echo "== $1 (at ${SECONDS}s)"; }
 phase "self-contained: no tracked file refers to a path beside the clone"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   if git grep -n -e '\.\./shared' -- ':!*.png'; then
-    echo "error: the files above refer to ../shared, outside the repository; copy what is needed" \
+    echo "error: the files above refer to the shared folder beside the clone; copy what is needed" \
       "into the repository instead" >&2
     failed=$((failed + 1))
   else
