@@ -23,6 +23,7 @@ Installs what is missing (Debian packages, as root), fetches SmolLM2-135M-Instru
   --mode M         oasis (default), quest, recency or on-demand: the sparse side of the pair
   --draft D        ngram (default), self or none: where the lookahead queries come from
   --build-dir DIR  use this configured build tree (e.g. build/ci) instead of build/release
+  --doc-chars N    characters of the document (default 13000, ~4.5k tokens)
   --help           this text
 
 These go to mini_decoder unchanged (`mini_decoder --help` says what each does):
@@ -40,15 +41,20 @@ positive() {  # positive FLAG VALUE: VALUE must be a positive integer
   [[ "$2" =~ ^[0-9]+$ && "$2" -gt 0 && ${#2} -le 9 ]] || die "$1 '$2' is not a positive integer"
 }
 
-budget=1024 max_tokens=96 threads="" attention_threads="" mode=oasis draft=ngram build_dir=""
+doc_chars=13000 budget=1024 max_tokens=96 threads="" attention_threads="" mode=oasis draft=ngram build_dir=""
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     -h | --help) usage; exit 0 ;;
-    --budget | --max-tokens | --threads | --attention-threads | --mode | --draft | --build-dir)
+    --budget | --max-tokens | --threads | --attention-threads | --mode | --draft | --build-dir | \
+      --doc-chars)
       [ $# -ge 2 ] || die "$1 needs a value"
       case "$1" in
         --budget) positive "$1" "$2"; budget=$2 ;;
+        --doc-chars)
+          positive "$1" "$2"
+          [ "$2" -ge 1000 ] || die "--doc-chars '$2' is below 1000 (the fact needs a document)"
+          doc_chars=$2 ;;
         --max-tokens) positive "$1" "$2"; max_tokens=$2 ;;
         --threads) positive "$1" "$2"; threads=$2 ;;
         --attention-threads) positive "$1" "$2"; attention_threads=$2 ;;
@@ -96,8 +102,8 @@ bin=$build_dir/examples/mini_decoder/mini_decoder
 [ -x "$bin" ] || die "$bin was not built (is the build tree configured with examples on?)"
 
 # The document: the README, the architecture and performance pages and the facade's header, cut
-# to about 13,000 characters (~4.5k tokens: code and tables tokenize densely), with one fact
-# stated once, at a paragraph break near the middle, then the question about it. Whole files
+# to --doc-chars (13,000 by default, ~4.5k tokens: code and tables tokenize densely), with one
+# fact stated once, at a paragraph break near the middle, then the question about it. Whole files
 # first: `cat | head -c` would end cat with SIGPIPE, which pipefail makes fatal.
 all=$(mktemp)
 doc=$(mktemp)
@@ -105,9 +111,10 @@ trap 'rm -f "$all" "$doc"' EXIT
 cat README.md docs/architecture.md docs/performance.md include/oasiskv/kv_cache.hpp >"$all"
 answer="Kestrel"
 fact="All figures in this document were measured on a test machine named $answer."
-head -c 13000 "$all" | awk -v fact="$fact" '
+grep -qiF "$answer" "$all" && die "the docs already name '$answer': pick another name in demo.sh"
+head -c "$doc_chars" "$all" | awk -v fact="$fact" -v half=$((doc_chars / 2)) '
   { n += length($0) + 1; print }
-  !done && n > 6000 && $0 == "" { print fact; print ""; done = 1 }' >"$doc"
+  !done && n > half && $0 == "" { print fact; print ""; done = 1 }' >"$doc"
 grep -qF "$fact" "$doc" || die "could not place the fact in the document"
 question="Question: according to the document above, what is the name of the test machine the \
 figures were measured on? Answer in one sentence."

@@ -115,9 +115,10 @@ cmake --preset tsan >/dev/null
 cmake --build --preset tsan -j "$jobs" --target oasiskv_concurrent_tests
 TSAN_OPTIONS=halt_on_error=1 run_ctest build/tsan -L concurrent
 
-phase "the demo, briefly (scripts/demo.sh --max-tokens 12 on build/ci)"
+phase "the demo, briefly (scripts/demo.sh on build/ci, a quarter of the document, 12 tokens)"
 demo_out=$(mktemp)
-if scripts/demo.sh --build-dir build/ci --max-tokens 12 </dev/null 2>&1 | tee "$demo_out"; then
+if scripts/demo.sh --build-dir build/ci --doc-chars 3500 --max-tokens 12 </dev/null 2>&1 |
+  tee "$demo_out"; then
   demo_ok=1
   for want in '^== answer \(OasisKV, budget 1024 tokens\):' '^== answer \(dense' \
     '^   contains "Kestrel": (yes|no)$' '^verdict: OasisKV \(budget 1024 tokens\) decoded at [0-9.]+x dense'; do

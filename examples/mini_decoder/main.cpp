@@ -242,12 +242,15 @@ int run(cli_options& cli) {
                         : fmt::format("; neither answer contains \"{}\"", cli.expect_answer);
     }
     std::fflush(stderr);
+    const std::string held = memory >= 1.0
+                                 ? fmt::format("{:.2f}x less", memory)
+                                 : std::string("more: the budget covers the whole context");
     std::printf(
         "\nverdict: %s (budget %u tokens) decoded at %.2fx dense's speed, holding %s of KV in fast "
-        "memory where dense needs %s (%.2fx less); %zu of %zu tokens equal dense's%s\n",
+        "memory where dense needs %s (%s); %zu of %zu tokens equal dense's%s\n",
         cli.mode == "oasis" ? "OasisKV" : cli.mode.c_str(), cli.dec.budget_tokens, speed,
-        mib(r.fast_tier_bytes).c_str(), mib(r.dense_kv_bytes).c_str(), memory, g.same, g.length,
-        facts.c_str());
+        mib(r.fast_tier_bytes).c_str(), mib(r.dense_kv_bytes).c_str(), held.c_str(), g.same,
+        g.length, facts.c_str());
     std::fflush(stdout);
   }
   return 0;
