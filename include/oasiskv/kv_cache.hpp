@@ -393,8 +393,10 @@ class tiered_kv_cache {
   //! @brief Attention of `q_len` new tokens per sequence in `layer` over the blocks selected for
   //! them. `q` is `[seqs][q_len][num_q_heads][head_dim]`; `out` likewise; `lse` is
   //! `[seqs][q_len][num_q_heads]` (may be null). The new tokens must already be appended.
+  //! `attended`, where given, receives the blocks each sequence's tables read.
   void attend(std::span<const sequence_id> seqs, std::uint32_t layer, const float* q,
-              std::uint32_t q_len, float* out, float* lse = nullptr) {
+              std::uint32_t q_len, float* out, float* lse = nullptr,
+              attended_blocks* attended = nullptr) {
     if (seqs.empty() || q == nullptr || out == nullptr) [[unlikely]] {
       detail::raise(errc::invalid_argument, "attend: no sequences, or null q or out");
     }
@@ -421,6 +423,14 @@ class tiered_kv_cache {
           const float* qs = q + i * std::size_t{q_len} * layout_.num_q_heads * layout_.head_dim;
           stage_sequence(ls, query_view{qs, nullptr, q_len}, sc);
           sc.lens.push_back(ls.tokens);
+        }
+        if (attended != nullptr) {
+          attended->blocks.resize(sc.refs.size());
+          for (std::size_t i = 0; i < sc.refs.size(); ++i) {
+            attended->blocks[i] = sc.refs[i].index;
+          }
+          attended->offsets.assign(sc.offsets.begin(), sc.offsets.end());
+          attended->tables_per_seq = sc.tables_per_seq;
         }
       } catch (...) {
         scheduler_.release(sc.fast);  // the pins of the sequences staged before the failure

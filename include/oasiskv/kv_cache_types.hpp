@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
+#include <vector>
 
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
 
@@ -42,6 +44,25 @@ struct cache_stats {
   double hit_rate() const noexcept {
     const double total = static_cast<double>(step.hits) + step.misses;
     return total == 0 ? 1.0 : step.hits / total;
+  }
+};
+
+//! @brief The blocks one `attend` call read, when the caller asks for them: for the i-th
+//! sequence of the call and its table t (one table per sequence, or one per KV head with a
+//! per-head granularity), the block indices (positions in the sequence's block order, not
+//! slots) in the order the kernel read them. For tests that recompute attention independently,
+//! and for engines that log their selections.
+struct attended_blocks {
+  std::vector<std::uint32_t> blocks;
+  std::vector<std::uint32_t> offsets;  //!< `sequences * tables_per_seq + 1` entries
+  std::uint32_t tables_per_seq = 0;
+
+  std::size_t sequences() const noexcept {
+    return tables_per_seq == 0 ? 0 : (offsets.size() - 1) / tables_per_seq;
+  }
+  std::span<const std::uint32_t> table(std::size_t seq, std::uint32_t t = 0) const {
+    const std::size_t i = seq * tables_per_seq + t;
+    return {blocks.data() + offsets.at(i), blocks.data() + offsets.at(i + 1)};
   }
 };
 

@@ -1,15 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
 // The facade assembled from every combination of the shipped predictors, schedulers and kernels
-// runs one suite: with a budget covering the whole context, attend equals dense attention; with
-// a smaller budget, the oracle predictor with fetch-on-miss equals sparse attention over the
-// oracle's own selection. One translation unit per scheduler (combinations_*.test.cpp) includes
-// this header, so the builds of the many instantiations run in parallel.
+// runs one suite: with a budget covering the whole context, attend equals dense attention; at
+// budgets of 1/8 to 1/2 of the context, the blocks each attend reports it read are the
+// predictor's selection recomputed outside the cache (a summary built from the capacity tier's
+// blocks, the same queries, the sinks and recent window added), and its output equals
+// reference_decode over exactly those blocks read from the capacity tier. One translation unit per
+// scheduler (combinations_*.test.cpp) includes this header, so the builds of the many
+// instantiations run in parallel.
 #pragma once
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "oasiskv/oasiskv.hpp"
@@ -126,6 +132,111 @@ void full_budget_equals_dense() {
   CHECK(cache.audit() > 0);
 }
 
+// The table the cache should attend for (s, layer), computed without it: a fresh summary of
+// every block from the capacity tier, a fresh predictor, the same queries, then the sinks and
+// the recent window of the current length added to each table (sorted, unique).
+template <class Predictor, class Cache>
+selection expected_selection(Cache& c, sequence_id s, std::uint32_t layer, query_view queries,
+                             const cache_options& o) {
+  using summary = typename Predictor::summary_type;
+  const auto slots = c.block_slots(s, layer);
+  const std::uint32_t len = c.length(s, layer);
+  const std::uint32_t n = static_cast<std::uint32_t>(slots.size());
+  prediction_input<summary> in;
+  in.layout = layout;
+  in.seq_len = len;
+  std::vector<std::uint32_t> ids(slots.begin(), slots.end());
+  std::optional<summary> sum;
+  if constexpr (!std::is_same_v<summary, no_summary>) {
+    sum.emplace(layout, c.capacity_tier().num_slots());
+    for (std::uint32_t b = 0; b < n; ++b) {
+      const std::uint32_t filled =
+          std::min(layout.tokens_per_block, len - b * layout.tokens_per_block);
+      sum->reset(slots[b]);
+      sum->update(slots[b], c.capacity_tier().slot_data(slots[b]), 0, filled);
+    }
+    in.summaries = &*sum;
+  }
+  in.summary_ids = ids;
+  in.queries = queries;
+  in.keys = c.capacity_tier().view();
+  in.key_slots = slots;
+  Predictor p;
+  selection sel;
+  p.select(in, {o.budget_tokens / layout.tokens_per_block, o.sink_blocks, o.recent_blocks}, sel);
+  selection full;
+  full.tables = sel.tables;
+  full.offsets.assign(1, 0);
+  for (std::uint32_t t = 0; t < sel.tables; ++t) {
+    std::vector<std::uint32_t> table(sel.table(t).begin(), sel.table(t).end());
+    for (std::uint32_t b = 0; b < std::min(o.sink_blocks, n); ++b) {
+      table.push_back(b);
+    }
+    for (std::uint32_t b = n > o.recent_blocks ? n - o.recent_blocks : 0; b < n; ++b) {
+      table.push_back(b);
+    }
+    std::sort(table.begin(), table.end());
+    table.erase(std::unique(table.begin(), table.end()), table.end());
+    full.blocks.insert(full.blocks.end(), table.begin(), table.end());
+    full.offsets.push_back(static_cast<std::uint32_t>(full.blocks.size()));
+  }
+  return full;
+}
+
+template <class Predictor, class Scheduler, class Kernel>
+void small_budget_equals_reference_over_selection() {
+  using B = bundle<Predictor, Scheduler, Kernel>;
+  for (const std::uint32_t budget_blocks : {3u, 6u, 12u}) {  // 1/8, 1/4, 1/2 of ~24 blocks
+    CAPTURE(budget_blocks);
+    std::mt19937 rng(55 + budget_blocks);
+    const cache_options o{.budget_tokens = budget_blocks * layout.tokens_per_block,
+                          .sink_blocks = 1,
+                          .recent_blocks = 1,
+                          .scale = scale};
+    tiered_kv_cache<B> cache(host_tier(layout, 128), host_tier(layout, 64), o);
+    const sequence_id s = cache.add_sequence();
+    append_all_layers(cache, s, 90, rng);  // 23 blocks
+    for (int step = 0; step < 4; ++step) {
+      const std::uint32_t q_len = 1 + static_cast<std::uint32_t>(step % 3);
+      append_all_layers(cache, s, q_len, rng);
+      for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+        CAPTURE(step);
+        CAPTURE(l);
+        auto draft = random_queries(2, rng);
+        const query_view lookahead_q{draft.data(), nullptr, 2};
+        cache.lookahead(s, l, lookahead_q);
+        auto q = random_queries(q_len, rng);
+        const query_view step_q{q.data(), nullptr, q_len};
+        const selection want = expected_selection<Predictor>(
+            cache, s, l, Predictor::timing == prediction_timing::lookahead ? lookahead_q : step_q,
+            o);
+        std::vector<float> out(q.size()), lse(q_len * layout.num_q_heads);
+        const sequence_id one[1] = {s};
+        attended_blocks got;
+        cache.attend(one, l, q.data(), q_len, out.data(), lse.data(), &got);
+        REQUIRE(got.sequences() == 1);
+        REQUIRE(got.tables_per_seq == want.tables);
+        const std::uint32_t n = layout.blocks_for(cache.length(s, l));
+        for (std::uint32_t t = 0; t < want.tables; ++t) {
+          CAPTURE(t);
+          std::vector<std::uint32_t> table(got.table(0, t).begin(), got.table(0, t).end());
+          std::sort(table.begin(), table.end());
+          const std::vector<std::uint32_t> expected(want.table(t).begin(), want.table(t).end());
+          CHECK(table == expected);
+          CHECK(table.size() <= std::size_t{budget_blocks} + o.sink_blocks + o.recent_blocks);
+          CHECK(table.size() < n);  // a real selection, not the whole context
+        }
+        std::vector<float> ref(q.size()), ref_lse(lse.size());
+        reference_over(cache, s, l, got.blocks, got.tables_per_seq, got.offsets, q.data(), q_len,
+                       ref.data(), ref_lse.data());
+        REQUIRE(oasiskv::testing::max_rel_error(out, ref) < 1e-5);
+        REQUIRE(oasiskv::testing::max_rel_error(lse, ref_lse) < 1e-5);
+      }
+    }
+    CHECK(cache.audit() > 0);
+  }
+}
+
 template <class Scheduler, class Kernel>
 void oracle_equals_sparse_over_its_selection() {
   using B = bundle<oracle_predictor<>, Scheduler, Kernel>;
@@ -164,10 +275,12 @@ void oracle_equals_sparse_over_its_selection() {
   CHECK(cache.stats().step.misses > 0);  // fetch-on-miss did fetch
 }
 
-// Every predictor with scheduler `S` and kernel `Kernel`: a full budget equals dense attention.
+// Every predictor with scheduler `S` and kernel `Kernel`: a full budget equals dense attention,
+// and small budgets attend the predictor's own selection, exactly.
 template <class S, class Kernel, class... Ps>
 void full_budget_equals_dense_for_all(type_list<Ps...>) {
   (full_budget_equals_dense<Ps, S, Kernel>(), ...);
+  (small_budget_equals_reference_over_selection<Ps, S, Kernel>(), ...);
 }
 
 // Sanitizer builds define OASISKV_COMBINATIONS_SUBSET: under ASan+UBSan every instantiation of
@@ -196,6 +309,7 @@ void run_scheduler_suite() {
     full_budget_equals_dense<default_lookahead, S, cpu::sparse_decode>();
     full_budget_equals_dense<default_lookahead, S, reference_decode>();
     full_budget_equals_dense<oracle_predictor<>, S, cpu::sparse_decode>();
+    small_budget_equals_reference_over_selection<default_lookahead, S, cpu::sparse_decode>();
   }
 }
 
