@@ -11,6 +11,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "oasiskv/oasiskv.hpp"
@@ -59,26 +60,32 @@ void append_random(Cache& c, sequence_id s, std::uint32_t n, std::mt19937& rng) 
   }
 }
 
+// One block of the capacity tier, wherever it lives (memory or a file).
+template <class Cache>
+void read_capacity_block(Cache& c, slot_id slot, std::byte* dst) {
+  if constexpr (host_accessible_tier<std::remove_cvref_t<decltype(c.capacity_tier())>>) {
+    std::memcpy(dst, c.capacity_tier().slot_data(slot), c.layout().block_bytes());
+  } else {
+    c.capacity_tier().read_block(slot, dst);
+  }
+}
+
 // Dense attention over the capacity tier, the definition `attend` must match.
 template <class Cache>
 void dense_reference(Cache& c, sequence_id s, std::uint32_t layer, const float* q,
                      std::uint32_t q_len, float* out, float* lse) {
   const auto slots = c.block_slots(s, layer);
+  host_tier copy(c.layout(), static_cast<std::uint32_t>(std::max<std::size_t>(1, slots.size())));
   std::vector<block_ref> refs;
   for (std::uint32_t b = 0; b < slots.size(); ++b) {
-    refs.push_back({slots[b], b});
+    read_capacity_block(c, slots[b], copy.slot_data(b));
+    refs.push_back({b, b});
   }
   const std::uint32_t offsets[2] = {0, static_cast<std::uint32_t>(refs.size())};
   const std::uint32_t len = c.length(s, layer);
-  decode_params p{q,
-                  c.capacity_tier().view(),
-                  {refs.data(), offsets, 1, 1},
-                  &len,
-                  out,
-                  lse,
-                  1,
-                  q_len,
-                  1.0f / std::sqrt(static_cast<float>(c.layout().head_dim))};
+  decode_params p{q,    copy.view(), {refs.data(), offsets, 1, 1},
+                  &len, out,         lse,
+                  1,    q_len,       1.0f / std::sqrt(static_cast<float>(c.layout().head_dim))};
   reference_decode{}.decode(p);
 }
 
@@ -249,7 +256,11 @@ TEST_CASE("tiered_kv_cache: bad input") {
   append_random(c, t, 24, rng);  // 6 blocks per layer: 12 + 4 (sequence s) = 16 slots
   expect_error([&] { append_random(c, t, 4, rng); }, errc::capacity_exceeded,
                "capacity tier's 16 slots are all in use");
-  CHECK(c.audit() >= 0);
+  // The refused appends left both sequences as they were, and every invariant holds.
+  CHECK(c.length(s, 0) == 8);
+  CHECK(c.length(t, 0) == 24);
+  CHECK(c.length(t, 1) == 24);
+  CHECK_NOTHROW(c.audit());
 }
 
 TEST_CASE("tiered_kv_cache: admission, dense vs OasisKV") {
@@ -264,19 +275,77 @@ TEST_CASE("tiered_kv_cache: admission, dense vs OasisKV") {
   CHECK(r.oasis_sequences >= 15 * r.dense_sequences);  // 32k context, 2 x 1k staged: 16x
 }
 
-TEST_CASE("tiered_kv_cache: concurrent sequences, 100k operations, every invariant holds") {
+namespace {
+
+// Attention over exactly `got`'s blocks of (s, layer), read from the capacity tier into a host
+// copy (the capacity tier may be a file): what a sparse attend must equal.
+template <class Cache>
+void reference_over_attended(Cache& c, sequence_id s, std::uint32_t layer,
+                             const attended_blocks& got, const float* q, std::uint32_t q_len,
+                             float* out, float* lse) {
+  const auto slots = c.block_slots(s, layer);
+  host_tier copy(c.layout(), static_cast<std::uint32_t>(std::max<std::size_t>(1, slots.size())));
+  for (std::uint32_t i = 0; i < slots.size(); ++i) {
+    read_capacity_block(c, slots[i], copy.slot_data(i));
+  }
+  std::vector<block_ref> refs;
+  for (std::uint32_t b : got.blocks) {
+    refs.push_back({b, b});
+  }
+  const std::uint32_t len = c.length(s, layer);
+  decode_params p{q,    copy.view(), {refs.data(), got.offsets.data(), 1, got.tables_per_seq},
+                  &len, out,         lse,
+                  1,    q_len,       1.0f / std::sqrt(static_cast<float>(c.layout().head_dim))};
+  reference_decode{}.decode(p);
+}
+
+// What the concurrent test runs: the test's exact predictor over host tiers, and the shipped
+// policies (lookahead over min/max or int8 min/max summaries, cpu::sparse_decode) over a host
+// capacity tier and over a file_tier with write-behind.
+template <class Summary, class Slow>
+struct shipped_bundle {
+  using allocator = free_list_allocator;
+  using fast_tier = host_tier;
+  using slow_tier = Slow;
+  using transfer = cpu_copy_engine;
+  using predictor = lookahead_predictor<Summary>;
+  using scheduler = lookahead_prefetcher<lru_eviction>;
+  using kernel = cpu::sparse_decode;
+};
+using shipped_minmax_file = shipped_bundle<minmax_summary<>, file_tier>;
+using shipped_qminmax_host = shipped_bundle<quantized_minmax_summary, host_tier>;
+
+template <class Slow>
+Slow make_capacity(const kv_layout& l, std::uint32_t slots) {
+  if constexpr (std::is_same_v<Slow, file_tier>) {
+    return file_tier(l, slots, {.path = "/tmp", .write_behind = true});
+  } else {
+    return host_tier(l, slots);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE(
+    "tiered_kv_cache: concurrent sequences, 100k operations, every attend exact, every invariant "
+    "holds",
+    B, exact_lru, shipped_minmax_file, shipped_qminmax_host) {
   // Threads own disjoint sequences (the documented contract) and share the cache, its tiers,
-  // its scheduler and its copy engine.
+  // its scheduler and its copy engine. Every attend is checked against reference_decode over
+  // the blocks it reports (read from the capacity tier), and against dense attention's mass.
   const kv_layout l{2, 2, 1, 8, 4, dtype::f32};
-  tiered_kv_cache<exact_lru> cache(host_tier(l, 512), host_tier(l, 48), {.budget_tokens = 12});
+  tiered_kv_cache<B> cache(make_capacity<typename B::slow_tier>(l, 512), host_tier(l, 48),
+                           {.budget_tokens = 12});
   constexpr int threads = 2;
-  constexpr int ops_per_thread = 50000;
+  // A file capacity tier's references read every block through the file: fewer operations.
+  constexpr int ops_per_thread = std::is_same_v<typename B::slow_tier, file_tier> ? 10000 : 50000;
   std::atomic<int> failures{0};
-  std::atomic<std::uint64_t> checked{0};
+  std::atomic<std::uint64_t> checked{0}, sparse{0};
   auto worker = [&](int id) {
     std::mt19937 rng(100 + id);
     std::vector<sequence_id> mine;
-    std::vector<float> out, lse, ref, ref_lse;
+    std::vector<float> out, lse, ref, ref_lse, dense, dense_lse;
+    attended_blocks got;
     try {
       for (int op = 0; op < ops_per_thread; ++op) {
         const unsigned r = rng() % 100;
@@ -304,19 +373,30 @@ TEST_CASE("tiered_kv_cache: concurrent sequences, 100k operations, every invaria
           auto q = random_queries(l, 1, rng);
           out.resize(q.size());
           lse.resize(l.num_q_heads);
+          ref.resize(q.size());
+          ref_lse.resize(l.num_q_heads);
           const sequence_id one[1] = {s};
-          cache.attend(one, layer, q.data(), 1, out.data(), lse.data());
-          if (r >= 97) {  // the sparse result never exceeds dense attention's softmax mass
-            ref.resize(q.size());
-            ref_lse.resize(l.num_q_heads);
-            dense_reference(cache, s, layer, q.data(), 1, ref.data(), ref_lse.data());
+          cache.attend(one, layer, q.data(), 1, out.data(), lse.data(), &got);
+          reference_over_attended(cache, s, layer, got, q.data(), 1, ref.data(), ref_lse.data());
+          const bool exact = oasiskv::testing::max_rel_error(out, ref) <= 1e-5 &&
+                             oasiskv::testing::max_rel_error(lse, ref_lse) <= 1e-5;
+          if (!exact) {
+            ++failures;
+          }
+          if (got.blocks.size() < l.blocks_for(cache.length(s, layer))) {
+            ++sparse;
+          }
+          if (r >= 95) {  // a subset never holds more softmax mass than dense attention
+            dense.resize(q.size());
+            dense_lse.resize(l.num_q_heads);
+            dense_reference(cache, s, layer, q.data(), 1, dense.data(), dense_lse.data());
             for (std::uint32_t h = 0; h < l.num_q_heads; ++h) {
-              if (lse[h] > ref_lse[h] + 1e-4f) {
+              if (!(lse[h] <= dense_lse[h] + 1e-4f)) {
                 ++failures;
               }
             }
-            ++checked;
           }
+          ++checked;
         }
       }
     } catch (const std::exception& e) {
@@ -344,12 +424,14 @@ TEST_CASE("tiered_kv_cache: concurrent sequences, 100k operations, every invaria
   }
   auditor.join();
   CHECK(failures == 0);
-  CHECK(checked > 100);
+  CHECK(checked > std::uint64_t{ops_per_thread} / 5);
+  CHECK(sparse > checked / 4);  // most steps attend a real subset, not the whole sequence
   CHECK(cache.audit() > 0);
   const cache_stats st = cache.stats();
   CHECK(st.resident_blocks <= 48);
   MESSAGE("steps " << st.sequence_steps << ", hit rate " << st.hit_rate() << ", evicted "
-                   << st.blocks_evicted << " blocks");
+                   << st.blocks_evicted << " blocks, " << sparse << " of " << checked
+                   << " attends sparse");
 }
 
 namespace {
