@@ -9,6 +9,7 @@
 TEST_CASE("oasiskv::error carries its code and a prefixed message") {
   try {
     oasiskv::detail::raise(oasiskv::errc::invalid_slot, "slot ", 42u, " of ", 8, " slots");
+    FAIL("raise returned");
   } catch (const oasiskv::error& e) {
     CHECK(e.code() == oasiskv::errc::invalid_slot);
     CHECK(std::string(e.what()) == "oasiskv: slot 42 of 8 slots");
@@ -20,6 +21,7 @@ TEST_CASE("oasiskv::error carries its code and a prefixed message") {
   // small integer types print as numbers, not characters
   try {
     oasiskv::detail::raise(oasiskv::errc::invalid_argument, "v = ", std::uint8_t{7});
+    FAIL("raise returned");
   } catch (const oasiskv::error& e) {
     CHECK(std::string(e.what()) == "oasiskv: v = 7");
   }

@@ -312,8 +312,9 @@ TEST_CASE_TEMPLATE("staging_scheduler: 100k random operations keep every invaria
   cpu_copy_engine engine;
   S s(fast, slow, engine, {.max_evictions_per_prefetch = 3});
   std::mt19937 rng(77);
-  std::vector<std::vector<slot_id>> pinned;  // outstanding acquires
-  std::map<slot_id, int> pins;               // fast slot -> pins we hold
+  std::vector<std::vector<slot_id>> pinned;      // outstanding acquires: the fast slots...
+  std::vector<std::vector<slot_id>> pinned_ids;  // ...and the capacity blocks they hold
+  std::map<slot_id, int> pins;                   // fast slot -> pins we hold
   std::vector<slot_id> want, out;
   for (int op = 0; op < 100000; ++op) {
     const unsigned r = rng() % 100;
@@ -339,6 +340,7 @@ TEST_CASE_TEMPLATE("staging_scheduler: 100k random operations keep every invaria
         }
       }
       pinned.push_back(out);
+      pinned_ids.push_back(want);
     } else if (r < 95 && !pinned.empty()) {
       const std::size_t i = rng() % pinned.size();
       for (slot_id f : pinned[i]) {
@@ -348,6 +350,7 @@ TEST_CASE_TEMPLATE("staging_scheduler: 100k random operations keep every invaria
       }
       s.release(pinned[i]);
       pinned.erase(pinned.begin() + static_cast<long>(i));
+      pinned_ids.erase(pinned_ids.begin() + static_cast<long>(i));
     } else {
       const slot_id x = rng() % 40;
       const auto f = s.resident_slot(x);
@@ -358,10 +361,15 @@ TEST_CASE_TEMPLATE("staging_scheduler: 100k random operations keep every invaria
         REQUIRE(s.resident_slot(x) == std::nullopt);
       }
     }
-    // Pinned blocks stay where acquire put them, with their content.
-    for (const auto& p : pinned) {
-      for (slot_id f : p) {
-        REQUIRE((f == null_slot || pins[f] > 0));
+    // Pinned blocks stay where acquire put them, with their content: neither a prefetch's
+    // eviction nor another acquire may reuse a pinned slot.
+    for (std::size_t i = 0; i < pinned.size(); ++i) {
+      for (std::size_t j = 0; j < pinned[i].size(); ++j) {
+        const slot_id f = pinned[i][j];
+        if (f != null_slot) {
+          REQUIRE(pins[f] > 0);
+          REQUIRE(holds(fast, f, pinned_ids[i][j]));
+        }
       }
     }
     REQUIRE(s.resident_blocks() <= fast.num_slots());

@@ -36,19 +36,32 @@ static_assert(!addressable_tier<composite>);
 static_assert(transfer_engine<router, composite, host_tier>);
 static_assert(declares_read_only<host_tier> == false);
 
-// Block (tag) has every byte = tag.
+// Block (tag): every byte differs from its neighbours and from the same offset in other blocks,
+// so a copy from the wrong block, the wrong offset or of a partial block cannot compare equal.
+std::byte pattern_byte(std::uint8_t tag, std::size_t i) {
+  return std::byte(static_cast<unsigned char>(tag * 37u + i * 13u + (i >> 8) * 101u));
+}
+
+void fill_block(std::byte* p, std::uint8_t tag) {
+  for (std::size_t i = 0; i < layout.block_bytes(); ++i) {
+    p[i] = pattern_byte(tag, i);
+  }
+}
+
 std::vector<std::byte> block_of(std::uint8_t tag) {
-  return std::vector<std::byte>(layout.block_bytes(), std::byte{tag});
+  std::vector<std::byte> b(layout.block_bytes());
+  fill_block(b.data(), tag);
+  return b;
 }
 
 composite make(std::uint32_t n, std::uint32_t m, bool read_only) {
   auto first = std::make_unique<gated_io_tier>(layout, n);
   for (slot_id s = 0; s < n; ++s) {
-    std::memset(first->raw(s), static_cast<int>(s + 1), layout.block_bytes());
+    fill_block(first->raw(s), static_cast<std::uint8_t>(s + 1));
   }
   auto second = std::make_unique<host_tier>(layout, m);
   for (slot_id s = 0; s < m; ++s) {
-    std::memset(second->slot_data(s), static_cast<int>(100 + s), layout.block_bytes());
+    fill_block(second->slot_data(s), static_cast<std::uint8_t>(100 + s));
   }
   return composite(std::move(first), std::move(second), read_only);
 }
