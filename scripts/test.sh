@@ -102,7 +102,32 @@ fi
 phase "build and test: -Werror (preset ci)"
 cmake --preset ci "${OASISKV_CUDA_ARGS[@]}" >/dev/null
 cmake --build --preset ci -j "$jobs"
-run_ctest build/ci
+# The machine-dependent paths the tests ran (tests/support/paths.hpp), reported and required.
+paths_log=$(mktemp)
+trap 'rm -f "$log" "$paths_log"' EXIT
+OASISKV_PATHS_LOG=$paths_log run_ctest build/ci
+echo "== machine-dependent paths the suite ran:"
+sort -u "$paths_log" | sed 's/^/   /'
+has_cpu() {  # has_cpu FLAG...: every flag is in /proc/cpuinfo
+  local f
+  for f in "$@"; do
+    grep -qw "$f" /proc/cpuinfo 2>/dev/null || return 1
+  done
+}
+required_paths=("cpu::sparse_decode: scalar" "score kernels: scalar")
+if has_cpu avx2 fma f16c; then
+  required_paths+=("cpu::sparse_decode: avx2" "score kernels: avx2" "softmax helpers: avx2"
+    "f16 narrowing checked against F16C")
+fi
+if has_cpu avx2 fma f16c avx512f avx512bw avx512dq avx512vl; then
+  required_paths+=("cpu::sparse_decode: avx512" "score kernels: avx512" "softmax helpers: avx512")
+fi
+for p in "${required_paths[@]}"; do
+  if ! grep -qxF "$p" "$paths_log"; then
+    echo "error: this CPU supports '$p' but no test ran it" >&2
+    failed=$((failed + 1))
+  fi
+done
 
 phase "build and test: AddressSanitizer + UndefinedBehaviorSanitizer (preset asan)"
 cmake --preset asan >/dev/null

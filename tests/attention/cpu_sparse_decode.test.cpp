@@ -16,6 +16,7 @@
 #include "oasiskv/attention/cpu_sparse_decode.hpp"
 #include "oasiskv/attention/reference_decode.hpp"
 #include "support/kv_fixture.hpp"
+#include "support/paths.hpp"
 
 namespace {
 
@@ -45,6 +46,7 @@ struct result {
 };
 
 result run(const cpu::sparse_decode& k, decode_case& c) {
+  oasiskv::testing::note_path("cpu::sparse_decode: " + std::string(to_string(k.isa())));
   std::fill(c.out.begin(), c.out.end(), 7.0f);  // a value no kernel writes by accident
   std::fill(c.lse.begin(), c.lse.end(), 7.0f);
   k.decode(c.params());

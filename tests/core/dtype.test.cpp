@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "oasiskv/core/dtype.hpp"
+#include "support/paths.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -79,6 +80,7 @@ TEST_CASE("f16: narrowing agrees with the F16C instruction on a sweep of floats"
     MESSAGE("no F16C on this CPU: the hardware cross-check does not apply");
     return;
   }
+  oasiskv::testing::note_path("f16 narrowing checked against F16C");
   // Every 4099th bit pattern covers all exponents, both signs and many mantissas.
   std::uint64_t checked = 0;
   for (std::uint64_t u = 0; u <= 0xffffffffull; u += 4099) {

@@ -17,6 +17,7 @@
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "support/kv_fixture.hpp"
+#include "support/paths.hpp"
 
 using namespace oasiskv;
 
@@ -114,6 +115,7 @@ TEST_CASE_TEMPLATE("quantized_key_summary: exact max and log-mass over the dequa
       if (!score_isa_supported(isa)) {
         continue;
       }
+      oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
       CAPTURE(to_string(isa));
       S s(l, 3, isa);
       for (std::uint32_t b = 0; b < 3; ++b) {

@@ -24,6 +24,7 @@
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "support/kv_fixture.hpp"
+#include "support/paths.hpp"
 
 using namespace oasiskv;
 
@@ -113,6 +114,7 @@ TEST_CASE_TEMPLATE("block summary: incremental == bulk, reset, every scoring pat
           if (!score_isa_supported(isa)) {
             continue;
           }
+          oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
           S v(l, 3, isa);
           for (std::uint32_t b = 0; b < 3; ++b) {
             v.update(b, pool.slot_data(b), 0, fill[b]);
@@ -158,6 +160,7 @@ TEST_CASE_TEMPLATE("row_scoring_summary: score_rows is score transposed, each id
     if (!score_isa_supported(isa)) {
       continue;
     }
+    oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
     S s(l, cap, isa);
     for (std::uint32_t b = 0; b < cap; ++b) {
       if (b != 38) {
@@ -357,6 +360,7 @@ TEST_CASE_TEMPLATE("minmax_summary: every row group and sign pattern, on every p
     if (!score_isa_supported(isa)) {
       continue;
     }
+    oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
     CAPTURE(static_cast<int>(isa));
     minmax_summary<Storage> s(l, nblocks, isa);
     for (std::uint32_t b = 0; b < nblocks; ++b) {
@@ -409,6 +413,7 @@ TEST_CASE("minmax_summary: an overflowed minimum does not spoil a positive query
     if (!score_isa_supported(isa)) {
       continue;
     }
+    oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
     CAPTURE(static_cast<int>(isa));
     minmax_summary<f16> s(l, 1, isa);
     s.update(0, pool.slot_data(0), 0, 2);
@@ -435,6 +440,7 @@ TEST_CASE("quantized_minmax_summary: an upper bound of every token's dot product
         if (!score_isa_supported(isa)) {
           continue;
         }
+        oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
         quantized_minmax_summary s(l, nblocks, isa);
         minmax_summary<float> exact(l, nblocks);
         std::vector<std::uint32_t> fill(nblocks), ids(nblocks);
@@ -600,10 +606,12 @@ TEST_CASE("softmax row kernels: every path clamps, exponentiates and accumulates
         [](float* a, const float* v, float f, std::size_t c) { detail::add_scaled(a, v, f, c); });
 #if OASISKV_SCORE_X86
     if (score_isa_supported(score_isa::avx2)) {
+      oasiskv::testing::note_path("softmax helpers: avx2");
       check_path("avx2", detail::clamp_finite_max_avx2, detail::exp_sum_avx2,
                  detail::add_scaled_avx2);
     }
     if (score_isa_supported(score_isa::avx512)) {
+      oasiskv::testing::note_path("softmax helpers: avx512");
       check_path("avx512", detail::clamp_finite_max_avx512, detail::exp_sum_avx512,
                  detail::add_scaled_avx512);
     }

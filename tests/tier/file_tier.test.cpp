@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include "support/expect_error.hpp"
+#include "support/paths.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -69,6 +70,7 @@ std::vector<file_backend> backends() {
   std::vector<file_backend> b{file_backend::pread_pool};
   if (file_tier::io_uring_available()) {
     b.push_back(file_backend::io_uring);
+    oasiskv::testing::note_path("file_tier: io_uring");
   } else {
 #if defined(OASISKV_WITH_LIBURING)
     MESSAGE("io_uring is refused by this kernel or sandbox: its tests are skipped");
@@ -115,6 +117,9 @@ TEST_CASE("file_tier: geometry, backend selection and direct I/O on this machine
   CHECK(static_cast<std::uint64_t>(st.st_size) >= t.file_bytes());
   CHECK(file_tier(smollm2, 1, {.path = dir.path.string()}).slot_bytes() == 12288);
   // automatic picks io_uring whenever it works.
+  if (t.direct_io()) {
+    oasiskv::testing::note_path("file_tier: O_DIRECT");
+  }
   MESSAGE("direct_io on " << dir.path << ": " << t.direct_io()
                           << ", automatic backend: " << oasiskv::to_string(t.backend()));
   CHECK(t.backend() ==
@@ -138,6 +143,9 @@ TEST_CASE("file_tier: a filesystem that refuses O_DIRECT gets buffered I/O") {
   const std::string what =
       t.direct_io() ? "true (the fallback is not exercised)" : "false (buffered fallback)";
   MESSAGE("direct_io on /dev/shm (tmpfs): " << what);
+  if (!t.direct_io()) {
+    oasiskv::testing::note_path("file_tier: buffered fallback where O_DIRECT is refused");
+  }
   std::vector<std::byte> a(odd.block_bytes(), std::byte{9}), b(odd.block_bytes());
   t.write_block(1, a.data());
   t.read_block(1, b.data());
