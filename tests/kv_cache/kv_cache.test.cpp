@@ -70,23 +70,40 @@ void read_capacity_block(Cache& c, slot_id slot, std::byte* dst) {
   }
 }
 
+// Attention over exactly `blocks`'s blocks of (s, layer), read from the capacity tier into a host
+// copy (the capacity tier may be a file): what a sparse attend must equal.
+template <class Cache>
+void reference_over_attended(Cache& c, sequence_id s, std::uint32_t layer,
+                             const attended_blocks& blocks, const float* q, std::uint32_t q_len,
+                             float* out, float* lse) {
+  const auto slots = c.block_slots(s, layer);
+  host_tier copy(c.layout(),
+                 static_cast<std::uint32_t>(std::max<std::size_t>(1, blocks.blocks.size())));
+  std::vector<block_ref> refs;
+  for (std::uint32_t i = 0; i < blocks.blocks.size(); ++i) {
+    const std::uint32_t b = blocks.blocks[i];
+    read_capacity_block(c, slots[b], copy.slot_data(i));
+    refs.push_back({i, b});
+  }
+  const std::uint32_t len = c.length(s, layer);
+  decode_params p{q,    copy.view(), {refs.data(), blocks.offsets.data(), 1, blocks.tables_per_seq},
+                  &len, out,         lse,
+                  1,    q_len,       1.0f / std::sqrt(static_cast<float>(c.layout().head_dim))};
+  reference_decode{}.decode(p);
+}
+
 // Dense attention over the capacity tier, the definition `attend` must match.
 template <class Cache>
 void dense_reference(Cache& c, sequence_id s, std::uint32_t layer, const float* q,
                      std::uint32_t q_len, float* out, float* lse) {
-  const auto slots = c.block_slots(s, layer);
-  host_tier copy(c.layout(), static_cast<std::uint32_t>(std::max<std::size_t>(1, slots.size())));
-  std::vector<block_ref> refs;
-  for (std::uint32_t b = 0; b < slots.size(); ++b) {
-    read_capacity_block(c, slots[b], copy.slot_data(b));
-    refs.push_back({b, b});
+  attended_blocks all;
+  all.blocks.resize(c.block_slots(s, layer).size());
+  for (std::uint32_t b = 0; b < all.blocks.size(); ++b) {
+    all.blocks[b] = b;
   }
-  const std::uint32_t offsets[2] = {0, static_cast<std::uint32_t>(refs.size())};
-  const std::uint32_t len = c.length(s, layer);
-  decode_params p{q,    copy.view(), {refs.data(), offsets, 1, 1},
-                  &len, out,         lse,
-                  1,    q_len,       1.0f / std::sqrt(static_cast<float>(c.layout().head_dim))};
-  reference_decode{}.decode(p);
+  all.offsets = {0, static_cast<std::uint32_t>(all.blocks.size())};
+  all.tables_per_seq = 1;
+  reference_over_attended(c, s, layer, all, q, q_len, out, lse);
 }
 
 std::vector<float> random_queries(const kv_layout& l, std::uint32_t n, std::mt19937& rng) {
@@ -276,28 +293,6 @@ TEST_CASE("tiered_kv_cache: admission, dense vs OasisKV") {
 }
 
 namespace {
-
-// Attention over exactly `got`'s blocks of (s, layer), read from the capacity tier into a host
-// copy (the capacity tier may be a file): what a sparse attend must equal.
-template <class Cache>
-void reference_over_attended(Cache& c, sequence_id s, std::uint32_t layer,
-                             const attended_blocks& got, const float* q, std::uint32_t q_len,
-                             float* out, float* lse) {
-  const auto slots = c.block_slots(s, layer);
-  host_tier copy(c.layout(), static_cast<std::uint32_t>(std::max<std::size_t>(1, slots.size())));
-  for (std::uint32_t i = 0; i < slots.size(); ++i) {
-    read_capacity_block(c, slots[i], copy.slot_data(i));
-  }
-  std::vector<block_ref> refs;
-  for (std::uint32_t b : got.blocks) {
-    refs.push_back({b, b});
-  }
-  const std::uint32_t len = c.length(s, layer);
-  decode_params p{q,    copy.view(), {refs.data(), got.offsets.data(), 1, got.tables_per_seq},
-                  &len, out,         lse,
-                  1,    q_len,       1.0f / std::sqrt(static_cast<float>(c.layout().head_dim))};
-  reference_decode{}.decode(p);
-}
 
 // What the concurrent test runs: the test's exact predictor over host tiers, and the shipped
 // policies (lookahead over min/max or int8 min/max summaries, cpu::sparse_decode) over a host
