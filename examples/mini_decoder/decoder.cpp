@@ -112,7 +112,7 @@ void decoder::verify_attend(std::uint32_t l, std::uint32_t n, const float* q, co
   verify_v_[l].assign(v, v + bytes);
   append_f16(*cache_, l, k, v, 1);
   lse_.resize(std::size_t{n} * m_.config.num_heads);
-  cache_->attend(l, q, n, out, lse_.data());
+  cache_->attend(l, q, n, out, lse_.data(), nullptr);
   const std::uint32_t g = n - 1;
   if (g > 0) {
     const layer_tail& t = tails_[l];
@@ -135,7 +135,7 @@ void decoder::draft_attend(std::uint32_t l, const float* q, const float* k, cons
   draft_k_[l].insert(draft_k_[l].end(), k, k + kv_dim_);
   draft_v_[l].insert(draft_v_[l].end(), v, v + kv_dim_);
   lse_.resize(m_.config.num_heads);
-  draft_cache_->attend(l, q, 1, out, lse_.data());
+  draft_cache_->attend(l, q, 1, out, lse_.data(), nullptr);
   const auto count = static_cast<std::uint32_t>(draft_k_[l].size() / kv_dim_);
   merge_side(q, 1, draft_k_[l].data(), draft_v_[l].data(), 0, count, out, lse_.data());
 }
@@ -175,7 +175,10 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
   report_.prompt_tokens = P;
   cache_config cc{o_.mode,         c.num_layers,     c.num_heads, c.num_kv_heads,      c.head_dim,
                   o_.block_tokens, o_.budget_tokens, ctx,         o_.attention_threads};
-  cache_ = make_kv_backend(cc);
+  cache_ = o_.backend ? o_.backend(cc) : make_kv_backend(cc);
+  if (!cache_) {
+    fail("the KV backend factory returned no backend");
+  }
   draft_cache_.reset();
   const bool self = o_.draft == draft_kind::self;
   if (self) {

@@ -33,6 +33,9 @@ struct decoder_options {
   std::uint32_t context = 0;       // 0: the model's context length
   float rope_scale = 1.0f;
   unsigned attention_threads = 1;
+  //! The target model's KV backend (the draft model's own cache is always `make_kv_backend`'s);
+  //! empty: `make_kv_backend` for `mode`.
+  kv_backend_factory backend;
   //! Called during prefill (per layer) and decode (about 4 times a second): phase, done, total,
   //! seconds since the phase began.
   std::function<void(const char*, std::uint32_t, std::uint32_t, double)> progress;

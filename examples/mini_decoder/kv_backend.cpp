@@ -92,9 +92,10 @@ class backend final : public kv_backend {
   void lookahead(std::uint32_t layer, const float* q, std::uint32_t n) override {
     cache_.lookahead(seq_, layer, oasiskv::query_view{q, nullptr, n});
   }
-  void attend(std::uint32_t layer, const float* q, std::uint32_t q_len, float* out,
-              float* lse) override {
-    cache_.attend(std::span<const oasiskv::sequence_id>(&seq_, 1), layer, q, q_len, out, lse);
+  void attend(std::uint32_t layer, const float* q, std::uint32_t q_len, float* out, float* lse,
+              oasiskv::attended_blocks* attended) override {
+    cache_.attend(std::span<const oasiskv::sequence_id>(&seq_, 1), layer, q, q_len, out, lse,
+                  attended);
   }
   std::uint32_t length(std::uint32_t layer) const override { return cache_.length(seq_, layer); }
   oasiskv::cache_stats stats() const override { return cache_.stats(); }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -35,9 +36,10 @@ class kv_backend {
                       std::uint32_t n) = 0;
   //! Queries of the lookahead (drafted) tokens, [n][q_heads][head_dim].
   virtual void lookahead(std::uint32_t layer, const float* q, std::uint32_t n) = 0;
-  //! q, out: [q_len][q_heads][head_dim]; lse: [q_len][q_heads].
+  //! q, out: [q_len][q_heads][head_dim]; lse: [q_len][q_heads]. `attended`, where given, gets
+  //! the blocks the step attended (`tiered_kv_cache::attend`'s report).
   virtual void attend(std::uint32_t layer, const float* q, std::uint32_t q_len, float* out,
-                      float* lse) = 0;
+                      float* lse, oasiskv::attended_blocks* attended) = 0;
   virtual std::uint32_t length(std::uint32_t layer) const = 0;
   virtual oasiskv::cache_stats stats() const = 0;
   virtual const oasiskv::kv_layout& layout() const = 0;
@@ -48,5 +50,10 @@ class kv_backend {
 };
 
 std::unique_ptr<kv_backend> make_kv_backend(const cache_config& c);
+
+//! Makes the target model's KV backend; the decoder's default is `make_kv_backend`. An engine
+//! puts its own store behind the decode loop through this (the tests put a logging wrapper and
+//! an independent reference there).
+using kv_backend_factory = std::function<std::unique_ptr<kv_backend>(const cache_config&)>;
 
 }  // namespace mini_decoder

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The mini-decoder on real models: reference outputs, speculative == plain, sparse == dense
-// when the budget covers the context, and clear errors on bad input.
+// when the budget covers the context, a small budget's tokens equal attention computed here over
+// the blocks it attended, and clear errors on bad input.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "decoder.hpp"
+#include "oasiskv/core/dtype.hpp"
 
 using namespace mini_decoder;
 
@@ -67,6 +70,139 @@ std::string temp_file(const std::string& name, const std::string& bytes) {
   std::ofstream(p, std::ios::binary) << bytes;
   return p.string();
 }
+
+// One attend of the target model's cache in a sparse run: the blocks it attended, per table.
+struct attend_record {
+  std::uint32_t layer = 0, q_len = 0, length = 0;
+  oasiskv::attended_blocks blocks;
+};
+
+// The shipped backend, every attend's block table logged.
+class logging_backend final : public kv_backend {
+ public:
+  logging_backend(std::unique_ptr<kv_backend> inner, std::vector<attend_record>& log)
+      : inner_(std::move(inner)), log_(log) {}
+  void append(std::uint32_t l, const std::uint16_t* k, const std::uint16_t* v,
+              std::uint32_t n) override {
+    inner_->append(l, k, v, n);
+  }
+  void lookahead(std::uint32_t l, const float* q, std::uint32_t n) override {
+    inner_->lookahead(l, q, n);
+  }
+  void attend(std::uint32_t l, const float* q, std::uint32_t q_len, float* out, float* lse,
+              oasiskv::attended_blocks*) override {
+    attend_record r{l, q_len, inner_->length(l), {}};
+    inner_->attend(l, q, q_len, out, lse, &r.blocks);
+    log_.push_back(std::move(r));
+  }
+  std::uint32_t length(std::uint32_t l) const override { return inner_->length(l); }
+  oasiskv::cache_stats stats() const override { return inner_->stats(); }
+  const oasiskv::kv_layout& layout() const override { return inner_->layout(); }
+  std::uint64_t fast_tier_bytes() const override { return inner_->fast_tier_bytes(); }
+  std::uint64_t capacity_tier_bytes() const override { return inner_->capacity_tier_bytes(); }
+  std::uint32_t budget_tokens() const override { return inner_->budget_tokens(); }
+
+ private:
+  std::unique_ptr<kv_backend> inner_;
+  std::vector<attend_record>& log_;
+};
+
+// The independent model: every appended K,V kept here (f16 widened to f32), and attention
+// computed in double over exactly the blocks the logged run attended at the same call, causal
+// within the context. Nothing of the library runs but the f16 widening.
+class replay_backend final : public kv_backend {
+ public:
+  replay_backend(const cache_config& c, const std::vector<attend_record>& log)
+      : c_(c),
+        layout_{c.num_layers, c.num_q_heads,  c.num_kv_heads,
+                c.head_dim,   c.block_tokens, oasiskv::dtype::f16},
+        kv_dim_(c.num_kv_heads * c.head_dim),
+        k_(c.num_layers),
+        v_(c.num_layers),
+        log_(log) {}
+  void append(std::uint32_t l, const std::uint16_t* k, const std::uint16_t* v,
+              std::uint32_t n) override {
+    for (std::size_t i = 0; i < std::size_t{n} * kv_dim_; ++i) {
+      k_[l].push_back(oasiskv::f16{k[i]}.to_float());
+      v_[l].push_back(oasiskv::f16{v[i]}.to_float());
+    }
+  }
+  void lookahead(std::uint32_t, const float*, std::uint32_t) override {}
+  void attend(std::uint32_t l, const float* q, std::uint32_t q_len, float* out, float* lse,
+              oasiskv::attended_blocks*) override {
+    REQUIRE_MESSAGE(calls_ < log_.size(), "the replay made more attends than the logged run");
+    const attend_record& r = log_[calls_++];
+    const std::uint32_t len = length(l);
+    REQUIRE(r.layer == l);
+    REQUIRE(r.q_len == q_len);
+    REQUIRE(r.length == len);
+    const std::uint32_t bt = c_.block_tokens, hd = c_.head_dim;
+    const std::uint32_t group = c_.num_q_heads / c_.num_kv_heads;
+    const double scale = 1.0 / std::sqrt(double(hd));
+    std::vector<double> s, acc(hd);
+    std::vector<std::uint32_t> tokens;
+    for (std::uint32_t j = 0; j < q_len; ++j) {
+      const std::uint32_t pos = len - q_len + j;
+      for (std::uint32_t h = 0; h < c_.num_q_heads; ++h) {
+        const std::uint32_t kvh = h / group;
+        const auto table = r.blocks.table(0, r.blocks.tables_per_seq == 1 ? 0 : kvh);
+        tokens.clear();
+        for (const std::uint32_t b : table) {
+          if (b * bt >= len) {
+            FAIL("the logged table names block ", b, " of a ", len, "-token context");
+          }
+          for (std::uint32_t t = b * bt; t < std::min(len, (b + 1) * bt) && t <= pos; ++t) {
+            tokens.push_back(t);
+          }
+        }
+        const std::size_t row = std::size_t{j} * c_.num_q_heads + h;
+        const float* qv = q + row * hd;
+        s.assign(tokens.size(), 0.0);
+        double mx = -INFINITY;
+        for (std::size_t i = 0; i < tokens.size(); ++i) {
+          const float* kv = k_[l].data() + std::size_t{tokens[i]} * kv_dim_ + std::size_t{kvh} * hd;
+          double dot = 0;
+          for (std::uint32_t x = 0; x < hd; ++x) {
+            dot += double(qv[x]) * kv[x];
+          }
+          s[i] = scale * dot;
+          mx = std::max(mx, s[i]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        double den = 0;
+        for (std::size_t i = 0; i < tokens.size(); ++i) {
+          const double e = std::exp(s[i] - mx);
+          const float* vv = v_[l].data() + std::size_t{tokens[i]} * kv_dim_ + std::size_t{kvh} * hd;
+          for (std::uint32_t x = 0; x < hd; ++x) {
+            acc[x] += e * vv[x];
+          }
+          den += e;
+        }
+        for (std::uint32_t x = 0; x < hd; ++x) {
+          out[row * hd + x] = tokens.empty() ? 0.0f : static_cast<float>(acc[x] / den);
+        }
+        lse[row] = tokens.empty() ? -INFINITY : static_cast<float>(mx + std::log(den));
+      }
+    }
+  }
+  std::uint32_t length(std::uint32_t l) const override {
+    return static_cast<std::uint32_t>(k_[l].size() / kv_dim_);
+  }
+  oasiskv::cache_stats stats() const override { return {}; }
+  const oasiskv::kv_layout& layout() const override { return layout_; }
+  std::uint64_t fast_tier_bytes() const override { return 0; }
+  std::uint64_t capacity_tier_bytes() const override { return 0; }
+  std::uint32_t budget_tokens() const override { return c_.budget_tokens; }
+  std::size_t calls() const { return calls_; }
+
+ private:
+  cache_config c_;
+  oasiskv::kv_layout layout_;
+  std::uint32_t kv_dim_;
+  std::vector<std::vector<float>> k_, v_;
+  const std::vector<attend_record>& log_;
+  std::size_t calls_ = 0;
+};
 
 }  // namespace
 
@@ -153,6 +289,57 @@ TEST_CASE("OasisKV with a budget covering the whole context equals dense") {
       s.draft = k;
       s.draft_layers = 2;
       CHECK(run(m, prompt, s) == dense);
+    }
+  }
+}
+
+TEST_CASE(
+    "a small budget's tokens equal attention computed independently over the blocks it attended") {
+  const model& m = stories_model();
+  const auto prompt = m.tok->encode("Once upon a time", true);
+  decoder_options base;
+  base.max_tokens = 200;
+  base.block_tokens = 16;
+  base.budget_tokens = 64;  // 4 of up to 13 blocks
+  base.draft_layers = 2;
+  base.ignore_eos = true;
+  for (const attention_mode mode : {attention_mode::oasis, attention_mode::quest,
+                                    attention_mode::recency, attention_mode::on_demand}) {
+    for (const draft_kind k : {draft_kind::none, draft_kind::self}) {
+      CAPTURE(to_string(mode));
+      CAPTURE(to_string(k));
+      decoder_options o = base;
+      o.mode = mode;
+      o.draft = k;
+      std::vector<attend_record> log;
+      o.backend = [&log](const cache_config& c) {
+        return std::make_unique<logging_backend>(make_kv_backend(c), log);
+      };
+      const auto sparse = run(m, prompt, o);
+      REQUIRE(sparse.size() == base.max_tokens);
+      // The selection was sparse: past twice the budget, no table held every block.
+      std::size_t past_budget = 0, whole_tables = 0;
+      for (const attend_record& r : log) {
+        const std::uint32_t held = (r.length + base.block_tokens - 1) / base.block_tokens;
+        if (r.length > 2 * base.budget_tokens) {
+          ++past_budget;
+          for (std::uint32_t t = 0; t < r.blocks.tables_per_seq; ++t) {
+            whole_tables += r.blocks.table(0, t).size() >= held ? 1 : 0;
+          }
+        }
+      }
+      CHECK(past_budget > 20);
+      CHECK(whole_tables == 0);
+      replay_backend* replay = nullptr;
+      o.backend = [&log, &replay](const cache_config& c) {
+        auto b = std::make_unique<replay_backend>(c, log);
+        replay = b.get();
+        return b;
+      };
+      decoder d(m, o);
+      CHECK(d.generate(prompt) == sparse);
+      REQUIRE(replay != nullptr);
+      CHECK(replay->calls() == log.size());
     }
   }
 }
