@@ -178,6 +178,11 @@ class decode_loop {
     steps_ = 0;
   }
 
+  // Waits for the background work the steps started (the last lookahead's prefetch, the file
+  // tier's writes behind): called once the clock has stopped, so that none of it runs into the
+  // next measurement.
+  void drain() { cache_->drain(); }
+
   // Whether the sequence has reached the tokens its tiers (and the source's keys) have room for.
   bool full() const { return cache_->length(seq_) >= max_length; }
 
@@ -279,6 +284,7 @@ void run_decode_steps(benchmark::State& state, Cache* cache, sequence_id seq, kv
     }
     loop.step();
   }
+  loop.drain();
   loop.report(state, fast_slots);
 }
 
@@ -346,6 +352,9 @@ void run_paired(benchmark::State& state, LA& la, OD& od, AR& ar) {
         break;
     }
   }
+  la.drain();
+  od.drain();
+  ar.drain();
   const double n = static_cast<double>(std::max<std::uint64_t>(i, 1));
   state.counters["lookahead_x"] = t[0] / t[2];
   state.counters["on_demand_x"] = t[1] / t[2];

@@ -326,6 +326,21 @@ class tiered_kv_cache {
     return sequences_.size();
   }
 
+  //! @brief Blocks until the background work the cache started has finished: every prefetch in
+  //! flight is staged (or, where its transfer failed, dropped, as `attend` would find it) and,
+  //! where the capacity tier writes behind (`file_tier`), its writes have reached the device.
+  //! Decode never needs it; a benchmark calls it so that one measurement's transfers do not run
+  //! into the next one's clock, and an engine before it checkpoints or measures.
+  void drain() {
+    std::lock_guard lock(mutex_);
+    if constexpr (requires { scheduler_.drain(); }) {
+      scheduler_.drain();
+    }
+    if constexpr (requires { slow_.flush(); }) {
+      slow_.flush();
+    }
+  }
+
   // -- the decode step --------------------------------------------------------------------------
 
   //! @brief Appends `n` tokens to `seq` in `layer`. `k` and `v` are `[n][num_kv_heads][head_dim]`

@@ -647,8 +647,13 @@ TEST_CASE("tiered_kv_cache over a file capacity tier: appends, forks, attention 
     CHECK(cache.length(a) == 25);
     CHECK(cache.length(b) == 29);
     CHECK(cache.audit() > 0);  // staged copies equal the file's blocks
-    cache.capacity_tier().flush();
+    for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+      auto draft = random_queries(l, 1, rng);
+      cache.lookahead(a, layer, {draft.data(), nullptr, 1});
+    }
+    cache.drain();  // the prefetches staged and the writes behind on the device
     CHECK(cache.capacity_tier().pending_writes() == 0);
+    CHECK(cache.scheduler().stats().failed_transfers == 0);
     CHECK(cache.audit() > 0);
   }
 }

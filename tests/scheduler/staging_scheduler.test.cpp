@@ -4,11 +4,13 @@
 #include "support/expect_error.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "oasiskv/allocator/free_list_allocator.hpp"
@@ -284,6 +286,41 @@ TEST_CASE("a failed transfer loses no data: the block is fetched again from the 
   s.acquire(ids({1}), std::span<slot_id>(out).first(1));
   expect_error([&] { s.forget(1); }, errc::slot_in_flight, "pinned");
   s.release(std::span<const slot_id>(out).first(1));
+}
+
+TEST_CASE("drain waits for every batch in flight; a failed one is dropped, not served") {
+  gated_io_tier slow(small, 8);
+  stamp_all(slow);
+  host_tier fast(small, 4);
+  cpu_copy_engine engine;
+  scheduler_for<lookahead_prefetcher<>, gated_io_tier> s(fast, slow, engine);
+  slow.set_open(false);
+  s.prefetch(ids({0, 1}));
+  s.prefetch(ids({2}));
+  slow.poison(2);
+  CHECK_FALSE(s.is_ready(0));
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    slow.set_open(true);
+  });
+  s.drain();  // returns only once both batches have finished
+  opener.join();
+  CHECK(s.is_ready(0));
+  CHECK(s.is_ready(1));
+  CHECK(s.resident_slot(2) == std::nullopt);  // its read failed: not resident
+  CHECK(s.stats().failed_transfers == 1);
+  s.check_invariants();
+  slow.cure();
+  std::vector<slot_id> out(3);
+  const acquire_stats st = s.acquire(ids({0, 1, 2}), out);
+  CHECK(st.hits == 2);
+  CHECK(st.misses == 1);  // the failed block is fetched again, from the capacity tier
+  for (slot_id i = 0; i < 3; ++i) {
+    CHECK(holds(fast, out[i], i));
+  }
+  s.release(out);
+  s.drain();  // nothing in flight: returns at once
+  s.check_invariants();
 }
 
 TEST_CASE("score_eviction keeps the blocks the predictor keeps wanting") {

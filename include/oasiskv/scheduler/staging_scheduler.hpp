@@ -213,6 +213,14 @@ class staging_scheduler {
     }
   }
 
+  //! @brief Waits for every batch in flight; their blocks become ready (or free, where a batch
+  //! failed: counted in `failed_transfers`, as `acquire` would find it).
+  void drain() {
+    while (!batches_.empty()) {
+      finish_batch(batches_.begin()->first);
+    }
+  }
+
   std::optional<slot_id> settle(slot_id x) {
     check_source(x);
     const slot_id s = where_[x];
