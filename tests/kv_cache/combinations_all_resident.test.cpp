@@ -5,6 +5,8 @@
 using namespace oasiskv;
 namespace c = oasiskv::testing::combinations;
 
-TEST_CASE("all_resident: predictors x kernels (combinations.hpp), full budget equals dense") {
+TEST_CASE(
+    "all_resident: predictors x kernels (combinations.hpp), full budget == dense, small == "
+    "reference over selection") {
   c::run_scheduler_suite<all_resident>();
 }
