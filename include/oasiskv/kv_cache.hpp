@@ -345,6 +345,9 @@ class tiered_kv_cache {
 
   //! @brief Appends `n` tokens to `seq` in `layer`. `k` and `v` are `[n][num_kv_heads][head_dim]`
   //! elements of the layout's dtype (one token after another, as a layer computes them).
+  //! All or nothing: where a capacity-tier write fails or no capacity slot is left part-way, the
+  //! error propagates and (seq, layer) holds exactly the tokens it held before, its new blocks
+  //! released.
   void append(sequence_id seq, std::uint32_t layer, const void* k, const void* v, std::uint32_t n) {
     std::lock_guard lock(mutex_);
     sequence_state& st = find(seq, "append");
@@ -365,21 +368,33 @@ class tiered_kv_cache {
     const std::size_t token_bytes = std::size_t{layout_.num_kv_heads} * layout_.row_bytes();
     const auto* kb = static_cast<const std::byte*>(k);
     const auto* vb = static_cast<const std::byte*>(v);
-    for (std::uint32_t done = 0; done < n;) {
-      const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
-      const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
-      const slot_id slot = writable_block(ls, offset);
-      if (offset == 0 && done + count == n) {
-        stage_created(ls, slot);  // the block this append leaves as the sequence's last
-      }
-      write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
-      if constexpr (stages_everything) {
-        if (offset + count == layout_.tokens_per_block) {
-          scheduler_.prefetch(std::span<const slot_id>(&slot, 1));  // full: stage it now
+    append_undo undo{ls.tokens, ls.blocks.size(), false, {}};
+    try {
+      for (std::uint32_t done = 0; done < n;) {
+        const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
+        const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
+        if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
+          if (offset == 0 && undo.first_summarized && undo.tail.empty()) {
+            undo.tail = std::move(ls.tail);  // the partial block's bytes, for the undo
+          }
         }
+        const slot_id slot = writable_block(ls, offset);
+        if (offset == 0 && done + count == n) {
+          stage_created(ls, slot);  // the block this append leaves as the sequence's last
+        }
+        write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
+        undo.first_summarized = undo.first_summarized || offset != 0;
+        if constexpr (stages_everything) {
+          if (offset + count == layout_.tokens_per_block) {
+            scheduler_.prefetch(std::span<const slot_id>(&slot, 1));  // full: stage it now
+          }
+        }
+        ls.tokens += count;
+        done += count;
       }
-      ls.tokens += count;
-      done += count;
+    } catch (...) {
+      undo_append(ls, undo);
+      throw;
     }
   }
 
@@ -776,6 +791,60 @@ class tiered_kv_cache {
       current = cow->slot;
     }
     return current;
+  }
+
+  // What `append` restores when it fails part-way: the token count, the blocks it had, and
+  // whether the summary of its partial last block took rows that are now dropped (then, for a
+  // block-I/O capacity tier, `tail` holds that block's bytes once a later block replaced them).
+  struct append_undo {
+    std::uint32_t tokens;
+    std::size_t blocks;
+    bool first_summarized = false;
+    std::vector<std::byte> tail;
+  };
+
+  void undo_append(layer_state& ls, append_undo& undo) noexcept {
+    while (ls.blocks.size() > undo.blocks) {
+      const slot_id s = ls.blocks.back();
+      ls.blocks.pop_back();
+      try {
+        release_capacity_slot(s);
+      } catch (...) {  // forget() waits for a transfer in flight and never finds a pin here
+      }
+    }
+    ls.tokens = undo.tokens;
+    const std::uint32_t filled = ls.tokens % layout_.tokens_per_block;
+    if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
+      if (!undo.tail.empty()) {
+        ls.tail = std::move(undo.tail);
+      } else if (filled == 0) {
+        ls.tail.clear();  // the next append starts a block and sets it up
+      }
+    }
+    if constexpr (has_summary) {
+      if (undo.first_summarized && filled != 0) {
+        // The partial block's entry folded in rows that are gone: summarise its tokens again.
+        // Should the bytes not be readable now, the entry keeps them, which a bound-style
+        // summary tolerates (its bounds only widen) and no attention reads.
+        try {
+          const slot_id s = ls.blocks.back();
+          const std::byte* bytes = nullptr;
+          std::vector<std::byte> buffer;
+          if constexpr (host_accessible_tier<slow_tier_type>) {
+            bytes = std::as_const(slow_).slot_data(s);
+          } else if (ls.tail.size() == layout_.block_bytes()) {
+            bytes = ls.tail.data();
+          } else {
+            buffer.resize(layout_.block_bytes());
+            slow_.read_block(s, buffer.data());
+            bytes = buffer.data();
+          }
+          summaries_.reset(entry(s));
+          summaries_.update(entry(s), bytes, 0, filled);
+        } catch (...) {
+        }
+      }
+    }
   }
 
   // Copies the first `filled` tokens' block from `from` into `to`, a slot just allocated (its

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "oasiskv/oasiskv.hpp"
+#include "support/gated_io_tier.hpp"
 #include "support/kv_fixture.hpp"
 #include "support/test_predictors.hpp"
 
@@ -692,4 +693,136 @@ TEST_CASE("tiered_kv_cache: a block created by append is staged from memory, not
     CHECK(after.step.bytes_fetched == before.step.bytes_fetched);
     CHECK(cache.audit() > 0);  // the staged new blocks equal the capacity tier's
   }
+}
+
+namespace {
+struct gated_bundle {  // a block-I/O capacity tier whose writes can be made to fail
+  using allocator = free_list_allocator;
+  using fast_tier = host_tier;
+  using slow_tier = oasiskv::testing::gated_io_tier;
+  using transfer = cpu_copy_engine;
+  using predictor = lookahead_predictor<minmax_summary<>>;
+  using scheduler = lookahead_prefetcher<lru_eviction>;
+  using kernel = cpu::sparse_decode;
+};
+
+// attend over every layer of `s` equals dense attention over the capacity tier's blocks.
+template <class Cache>
+void check_attend_equals_dense(Cache& c, sequence_id s, std::mt19937& rng) {
+  for (std::uint32_t layer = 0; layer < c.layout().num_layers; ++layer) {
+    auto q = random_queries(c.layout(), 1, rng);
+    std::vector<float> out(q.size()), lse(c.layout().num_q_heads), ref(q.size()),
+        ref_lse(lse.size());
+    const sequence_id one[1] = {s};
+    c.attend(one, layer, q.data(), 1, out.data(), lse.data());
+    dense_reference(c, s, layer, q.data(), 1, ref.data(), ref_lse.data());
+    REQUIRE(oasiskv::testing::max_rel_error(out, ref) < 1e-5);
+    REQUIRE(oasiskv::testing::max_rel_error(lse, ref_lse) < 1e-5);
+  }
+}
+}  // namespace
+
+TEST_CASE("tiered_kv_cache: an append whose capacity-tier write fails part-way changes nothing") {
+  const kv_layout l{2, 4, 2, 16, 4, dtype::f32};
+  // 6 tokens (a full block and a partial one), then 9 more: three writes per layer (the
+  // partial block, a new full block, a new partial one); the n-th fails.
+  for (const int ok_writes : {0, 1, 2}) {
+    CAPTURE(ok_writes);
+    tiered_kv_cache<gated_bundle> cache(oasiskv::testing::gated_io_tier(l, 64), host_tier(l, 32),
+                                        {.budget_tokens = 64, .scale = 0.25f});
+    std::mt19937 rng(21);
+    const sequence_id a = cache.add_sequence();
+    append_random(cache, a, 6, rng);
+    const auto slots_before = cache.block_slots(a, 0);
+    cache.capacity_tier().fail_writes_after(ok_writes);
+    auto k = random_rows(l, 9, rng), v = random_rows(l, 9, rng);
+    CHECK_THROWS_AS(cache.append(a, 0, k.data(), v.data(), 9), std::runtime_error);
+    CHECK(cache.length(a, 0) == 6);
+    CHECK(cache.block_slots(a, 0) == slots_before);
+    cache.capacity_tier().cure();
+    CHECK(cache.audit() > 0);  // staged copies equal the capacity tier's blocks
+    check_attend_equals_dense(cache, a, rng);
+    // The retry appends as if the failure had not happened.
+    cache.append(a, 0, k.data(), v.data(), 9);
+    auto k1 = random_rows(l, 9, rng), v1 = random_rows(l, 9, rng);
+    cache.append(a, 1, k1.data(), v1.data(), 9);
+    CHECK(cache.length(a, 0) == 15);
+    CHECK(cache.block_slots(a, 0).size() == 4);
+    CHECK(cache.audit() > 0);
+    check_attend_equals_dense(cache, a, rng);
+  }
+}
+
+TEST_CASE("tiered_kv_cache: an append that runs out of capacity slots part-way changes nothing") {
+  const kv_layout l{1, 4, 2, 16, 4, dtype::f32};
+  tiered_kv_cache<exact_lru> cache(host_tier(l, 3), host_tier(l, 8),
+                                   {.budget_tokens = 16, .scale = 0.25f});
+  std::mt19937 rng(22);
+  const sequence_id a = cache.add_sequence();
+  append_random(cache, a, 6, rng);  // 2 of the 3 slots
+  const auto slots_before = cache.block_slots(a, 0);
+  auto k = random_rows(l, 9, rng), v = random_rows(l, 9, rng);  // would need 2 more slots
+  expect_error([&] { cache.append(a, 0, k.data(), v.data(), 9); }, errc::capacity_exceeded,
+               "slots are all in use");
+  CHECK(cache.length(a, 0) == 6);
+  CHECK(cache.block_slots(a, 0) == slots_before);
+  CHECK(cache.audit() > 0);
+  check_attend_equals_dense(cache, a, rng);
+  // The slot the failed append took is free again: 6 more tokens fill the 3 slots exactly.
+  append_random(cache, a, 6, rng);
+  CHECK(cache.length(a, 0) == 12);
+  CHECK(cache.block_slots(a, 0).size() == 3);
+  check_attend_equals_dense(cache, a, rng);
+}
+
+namespace {
+// Records the scores of the last `select` (every KV head's, in order).
+template <class S>
+struct score_log : S {
+  using S::S;
+  static inline thread_local std::vector<float> last;
+  void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, float* out) const {
+    S::score_rows(h, entries, q, n, out);
+    if (h == 0) {
+      last.clear();
+    }
+    last.insert(last.end(), out, out + entries.size() * n);
+  }
+};
+struct gated_scored_bundle : gated_bundle {
+  using predictor = lookahead_predictor<score_log<minmax_summary<>>>;
+};
+}  // namespace
+
+TEST_CASE("tiered_kv_cache: an append undone part-way leaves the partial block's summary exact") {
+  // The undone append's first write widened the partial block's bounds with rows that are now
+  // gone; the block's scores must be those of a cache that never saw them.
+  using S = score_log<minmax_summary<>>;
+  const kv_layout l{1, 4, 2, 16, 4, dtype::f32};
+  std::mt19937 rng(23);
+  const auto k6 = random_rows(l, 6, rng), v6 = random_rows(l, 6, rng);
+  auto k9 = random_rows(l, 9, rng), v9 = random_rows(l, 9, rng);
+  for (std::size_t i = 0; i < k9.size() / sizeof(float); ++i) {  // keys far outside the others
+    reinterpret_cast<float*>(k9.data())[i] *= 8.0f;
+  }
+  const auto q = random_queries(l, 1, rng);
+  auto scores_of = [&](bool fail) {
+    tiered_kv_cache<gated_scored_bundle> cache(oasiskv::testing::gated_io_tier(l, 16),
+                                               host_tier(l, 16),
+                                               {.budget_tokens = 16, .scale = 0.25f});
+    const sequence_id a = cache.add_sequence();
+    cache.append(a, 0, k6.data(), v6.data(), 6);
+    if (fail) {
+      cache.capacity_tier().fail_writes_after(1);  // the partial block's rows land, then a failure
+      CHECK_THROWS_AS(cache.append(a, 0, k9.data(), v9.data(), 9), std::runtime_error);
+      cache.capacity_tier().cure();
+    }
+    cache.lookahead(a, 0, {q.data(), nullptr, 1});
+    return S::last;
+  };
+  const auto clean = scores_of(false);
+  const auto undone = scores_of(true);
+  REQUIRE(clean.size() == 2 * l.num_kv_heads * l.group_size());
+  CHECK(undone == clean);
 }
