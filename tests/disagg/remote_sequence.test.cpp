@@ -9,6 +9,7 @@
 
 #include "disagg/disagg_support.hpp"
 #include "oasiskv/disagg/remote_sequence.hpp"
+#include "support/expect_error.hpp"
 
 using namespace oasiskv::disagg;
 using disagg_test::layout;
@@ -107,4 +108,28 @@ TEST_CASE("remote_sequence: full and selective admission read what they should, 
   CHECK(refs.size() == 1 + 2);  // block 0, the partial block and a new tail block
   const auto* tail = sparse.pool().keys<oasiskv::f16>(refs[2].slot, 1);
   CHECK(tail[std::size_t{(1009 % 16)} * layout.head_dim + 3] == k[layout.head_dim + 3]);
+
+  // Bad input: one clear error each, and the sequence as it was.
+  using oasiskv::errc;
+  using oasiskv::testing::expect_error;
+  const std::vector<std::uint32_t> partial{0, remote};  // the partial block is local
+  expect_error([&] { sparse.stage(0, partial, refs); }, errc::out_of_range,
+               "block " + std::to_string(remote) + " of layer 0 is not one of its " +
+                   std::to_string(remote) + " remote blocks");
+  expect_error([&] { sparse.prefetch(1, partial); }, errc::out_of_range, "prefetch: block");
+  const std::uint32_t bad_layer = layout.num_layers;
+  expect_error([&] { sparse.select(bad_layer, q.data(), chosen); }, errc::out_of_range,
+               "select: layer " + std::to_string(bad_layer) + " of a " +
+                   std::to_string(layout.num_layers) + "-layer sequence");
+  expect_error([&] { sparse.stage(bad_layer, first_block, refs); }, errc::out_of_range,
+               "stage: layer");
+  expect_error([&] { sparse.append(bad_layer, k.data(), v.data()); }, errc::out_of_range,
+               "append: layer");
+  expect_error([&] { (void)sparse.length(bad_layer); }, errc::out_of_range, "length: layer");
+  expect_error([&] { sparse.select(0, nullptr, chosen); }, errc::invalid_argument, "null query");
+  CHECK(sparse.length(0) == 1010);
+  sparse.select(1, q.data(), chosen);
+  refs.clear();
+  sparse.stage(1, chosen, refs);
+  CHECK(check_staged(sparse, 2, 1, refs, remote) == 0);
 }

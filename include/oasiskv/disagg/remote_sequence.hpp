@@ -102,7 +102,7 @@ class remote_sequence {
   }
 
   const kv_layout& layout() const noexcept { return layout_; }
-  std::uint32_t length(std::uint32_t layer) const { return layers_.at(layer).tokens; }
+  std::uint32_t length(std::uint32_t layer) const { return layer_at(layer, "length").tokens; }
   std::uint32_t prompt_tokens() const noexcept { return prompt_tokens_; }
   const remote_sequence_stats& stats() const noexcept { return stats_; }
   block_pool_view pool() const noexcept { return pool_->view(); }
@@ -111,6 +111,11 @@ class remote_sequence {
   //! one (full), or the sinks, the recent window and the top-scoring rest under the budget by
   //! their summaries (selective). Ascending. The local tail blocks come on top (see `stage`).
   void select(std::uint32_t layer, const float* q, std::vector<std::uint32_t>& out) const {
+    layer_at(layer, "select");
+    if (q == nullptr) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "remote_sequence ", seq_,
+                             ": select: null query for layer ", layer);
+    }
     out.clear();
     const std::uint32_t n = remote_blocks_;
     if (options_.mode == admission_mode::full || n <= budget_blocks_) {
@@ -150,7 +155,8 @@ class remote_sequence {
   //! @brief Starts fetching the blocks of `sel` that `layer` does not hold (one batch); returns
   //! at once. Evicts the least recently used blocks outside `sel`.
   void prefetch(std::uint32_t layer, std::span<const std::uint32_t> sel) {
-    layer_state& ls = layers_.at(layer);
+    layer_state& ls = layer_at(layer, "prefetch");
+    check_remote_blocks(layer, sel, "prefetch");
     settle(ls);
     ++ls.clock;
     std::vector<block_copy> copies;
@@ -176,7 +182,8 @@ class remote_sequence {
   //! missing) and writes its table for a kernel: the selected remote blocks, then the local tail.
   //! A failed fetch throws `errc::transfer_failed`; the blocks it was to fill are dropped.
   void stage(std::uint32_t layer, std::span<const std::uint32_t> sel, std::vector<block_ref>& out) {
-    layer_state& ls = layers_.at(layer);
+    layer_state& ls = layer_at(layer, "stage");
+    check_remote_blocks(layer, sel, "stage");
     prefetch(layer, sel);  // no-op for what the lookahead already asked for
     settle(ls);
     for (std::uint32_t b : sel) {
@@ -191,7 +198,7 @@ class remote_sequence {
   //! @brief Appends one token's keys and values (`[num_kv_heads][head_dim]` each) to `layer`'s
   //! local tail.
   void append(std::uint32_t layer, const void* k, const void* v) {
-    layer_state& ls = layers_.at(layer);
+    layer_state& ls = layer_at(layer, "append");
     const std::uint32_t tpb = layout_.tokens_per_block;
     const std::uint32_t block = ls.tokens / tpb - remote_blocks_;
     if (block >= tail_per_layer_) [[unlikely]] {
@@ -226,6 +233,34 @@ class remote_sequence {
     std::uint64_t clock = 0;
     std::uint32_t tokens = 0;
   };
+
+  template <class Self>
+  static auto& layer_at(Self& self, std::uint32_t layer, const char* what) {
+    if (layer >= self.layers_.size()) [[unlikely]] {
+      oasiskv::detail::raise(errc::out_of_range, "remote_sequence ", self.seq_, ": ", what,
+                             ": layer ", layer, " of a ", self.layers_.size(), "-layer sequence");
+    }
+    return self.layers_[layer];
+  }
+  layer_state& layer_at(std::uint32_t layer, const char* what) {
+    return layer_at(*this, layer, what);
+  }
+  const layer_state& layer_at(std::uint32_t layer, const char* what) const {
+    return layer_at(*this, layer, what);
+  }
+  // A selection names remote blocks only: the prompt's partial last block and the decoded
+  // tokens are local tail blocks, which `stage` adds itself.
+  void check_remote_blocks(std::uint32_t layer, std::span<const std::uint32_t> sel,
+                           const char* what) const {
+    for (const std::uint32_t b : sel) {
+      if (b >= remote_blocks_) [[unlikely]] {
+        oasiskv::detail::raise(errc::out_of_range, "remote_sequence ", seq_, ": ", what, ": block ",
+                               b, " of layer ", layer, " is not one of its ", remote_blocks_,
+                               " remote blocks (the partial last block and decoded tokens are "
+                               "local; stage adds them)");
+      }
+    }
+  }
 
   std::uint32_t n_blocks() const noexcept { return opened_.blocks_per_layer; }
   slot_id remote_slot(std::uint32_t layer, std::uint32_t b) const {
