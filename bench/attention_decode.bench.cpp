@@ -200,7 +200,7 @@ OASISKV_TARGET_AVX512 std::uint64_t byte_sum_avx512(const std::byte* p, std::siz
 
 std::uint64_t byte_sum(const std::byte* p, std::size_t n) {
 #if OASISKV_X86_KERNELS
-  if (cpu::isa_supported(cpu::cpu_isa::avx512)) {
+  if (isa_supported(cpu_isa::avx512)) {
     return byte_sum_avx512(p, n);
   }
 #endif

@@ -43,16 +43,13 @@
 #include <vector>
 
 #include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/core/isa.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "oasiskv/tier/host_tier.hpp"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -69,10 +66,10 @@ struct shape {
 };
 constexpr shape shapes[] = {{"llama32k", 32, 8, 128}, {"smollm2", 9, 3, 64}};
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if OASISKV_X86_KERNELS
 // Sums the buffer as 64-bit words with four independent AVX2 accumulators: as fast a read as
 // one core makes (every x86 server this targets has AVX2).
-__attribute__((target("avx2"))) std::uint64_t read_all(const std::byte* p, std::size_t bytes) {
+OASISKV_TARGET_AVX2 std::uint64_t read_all(const std::byte* p, std::size_t bytes) {
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   for (std::size_t i = 0; i + 128 <= bytes; i += 128) {
     const auto* v = reinterpret_cast<const __m256i*>(p + i);
@@ -104,7 +101,7 @@ class legacy_minmax_f16 {
   legacy_minmax_f16(const kv_layout& l, std::uint32_t capacity)
       : l_(l),
         capacity_(capacity),
-        isa_(resolve_score_isa(score_isa::best)),
+        isa_(resolve_isa(cpu_isa::best)),
         bounds_(std::size_t{l.num_kv_heads} * capacity * 2 * l.head_dim),
         tokens_(capacity) {
     for (std::uint32_t b = 0; b < capacity; ++b) {
@@ -167,7 +164,7 @@ class legacy_minmax_f16 {
   }
   kv_layout l_;
   std::uint32_t capacity_;
-  score_isa isa_;
+  cpu_isa isa_;
   std::vector<f16> bounds_;
   std::vector<std::uint16_t> tokens_;
 };

@@ -6,13 +6,13 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <cblas.h>
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cstring>
 
 #include "common.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/isa.hpp"
 
 extern "C" void openblas_set_num_threads(int);  // OpenBLAS's own; not in cblas.h everywhere
 
@@ -128,14 +128,12 @@ void matmul_scalar(const weight_matrix& w, const float* x, std::uint32_t n, floa
 }
 
 // ---- AVX-512 ------------------------------------------------------------------------------
-#define MD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
-#define MD_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 constexpr std::uint32_t max_tokens_per_pass = 4;  // accumulators: 2 per token stay in registers
 
 template <std::uint32_t NT>
-MD_AVX512 void row_avx512(const weight_matrix& w, const std::byte* row, const float* x, float* y,
-                          std::uint32_t r) {
+OASISKV_TARGET_AVX512 void row_avx512(const weight_matrix& w, const std::byte* row, const float* x,
+                                      float* y, std::uint32_t r) {
   __m512 lo[NT], hi[NT];
   for (std::uint32_t t = 0; t < NT; ++t) {
     lo[t] = _mm512_setzero_ps();
@@ -183,8 +181,8 @@ MD_AVX512 void row_avx512(const weight_matrix& w, const std::byte* row, const fl
   }
 }
 
-MD_AVX512 void matmul_avx512(const weight_matrix& w, const float* x, std::uint32_t n, float* y,
-                             std::uint32_t r0, std::uint32_t r1) {
+OASISKV_TARGET_AVX512 void matmul_avx512(const weight_matrix& w, const float* x, std::uint32_t n,
+                                         float* y, std::uint32_t r0, std::uint32_t r1) {
   for (std::uint32_t r = r0; r < r1; ++r) {
     const std::byte* row = w.row(r);
     std::uint32_t t = 0;
@@ -205,7 +203,7 @@ MD_AVX512 void matmul_avx512(const weight_matrix& w, const float* x, std::uint32
 
 // ---- AVX2 ---------------------------------------------------------------------------------
 
-MD_AVX2 inline float hsum256(__m256 v) {
+OASISKV_TARGET_AVX2 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -213,8 +211,8 @@ MD_AVX2 inline float hsum256(__m256 v) {
 }
 
 template <std::uint32_t NT>
-MD_AVX2 void row_avx2(const weight_matrix& w, const std::byte* row, const float* x, float* y,
-                      std::uint32_t r) {
+OASISKV_TARGET_AVX2 void row_avx2(const weight_matrix& w, const std::byte* row, const float* x,
+                                  float* y, std::uint32_t r) {
   __m256 a[NT], b[NT];
   for (std::uint32_t t = 0; t < NT; ++t) {
     a[t] = _mm256_setzero_ps();
@@ -276,8 +274,8 @@ MD_AVX2 void row_avx2(const weight_matrix& w, const std::byte* row, const float*
   }
 }
 
-MD_AVX2 void matmul_avx2(const weight_matrix& w, const float* x, std::uint32_t n, float* y,
-                         std::uint32_t r0, std::uint32_t r1) {
+OASISKV_TARGET_AVX2 void matmul_avx2(const weight_matrix& w, const float* x, std::uint32_t n,
+                                     float* y, std::uint32_t r0, std::uint32_t r1) {
   for (std::uint32_t r = r0; r < r1; ++r) {
     const std::byte* row = w.row(r);
     std::uint32_t t = 0;
@@ -305,15 +303,14 @@ struct isa_choice {
 };
 
 isa_choice best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl")) {
-    return {matmul_avx512, "avx512"};
+  switch (oasiskv::resolve_isa(oasiskv::cpu_isa::best)) {
+    case oasiskv::cpu_isa::avx512:
+      return {matmul_avx512, "avx512"};
+    case oasiskv::cpu_isa::avx2:
+      return {matmul_avx2, "avx2"};
+    default:
+      return {matmul_scalar, "scalar"};
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return {matmul_avx2, "avx2"};
-  }
-  return {matmul_scalar, "scalar"};
 }
 
 isa_choice& current_isa() {

@@ -67,8 +67,8 @@ void check_close(const result& got, const result& want, double tol) {
 struct kernels {
   std::vector<cpu::sparse_decode> all;
   kernels() {
-    for (cpu::cpu_isa isa : {cpu::cpu_isa::scalar, cpu::cpu_isa::avx2, cpu::cpu_isa::avx512}) {
-      if (cpu::isa_supported(isa)) {
+    for (cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2, cpu_isa::avx512}) {
+      if (isa_supported(isa)) {
         all.emplace_back(1u, isa);
         all.emplace_back(2u, isa);
       }

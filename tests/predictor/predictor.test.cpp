@@ -345,9 +345,9 @@ void check_selector_against_sort(block_selector& sel, std::mt19937& rng) {
 
 TEST_CASE("block_selector: the top-k is the top of a full sort, ties to the lower index") {
   // Every code path the machine runs sees the same inputs.
-  for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
-    if (!score_isa_supported(isa)) {
-      MESSAGE("score_isa ", to_string(isa), " not supported here");
+  for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2, cpu_isa::avx512}) {
+    if (!isa_supported(isa)) {
+      MESSAGE("cpu_isa ", to_string(isa), " not supported here");
       continue;
     }
     CAPTURE(to_string(isa));

@@ -111,8 +111,8 @@ TEST_CASE_TEMPLATE("quantized_key_summary: exact max and log-mass over the dequa
     host_tier pool(l, 3);
     testing::fill_random(pool, 7);
     const std::uint32_t fill[3] = {24, 5, 17};
-    for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
-      if (!score_isa_supported(isa)) {
+    for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2, cpu_isa::avx512}) {
+      if (!isa_supported(isa)) {
         continue;
       }
       oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));

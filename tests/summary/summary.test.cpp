@@ -105,13 +105,13 @@ TEST_CASE_TEMPLATE("block summary: incremental == bulk, reset, every scoring pat
       for (std::uint32_t b = 0; b < 3; ++b) {
         s.update(b, pool.slot_data(b), 0, fill[b]);
       }
-      s.set_isa(score_isa::scalar);
+      s.set_isa(cpu_isa::scalar);
       for (const std::uint32_t n : {1u, 3u, 8u, 13u}) {
         const std::vector<float> q = random_queries(n, l.head_dim, n);
         const std::vector<std::uint32_t> order{2, 0, 1, 0};
         const auto ref = scores(s, 1, order, q, n);
-        for (const score_isa isa : {score_isa::avx2, score_isa::avx512}) {
-          if (!score_isa_supported(isa)) {
+        for (const cpu_isa isa : {cpu_isa::avx2, cpu_isa::avx512}) {
+          if (!isa_supported(isa)) {
             continue;
           }
           oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
@@ -156,8 +156,8 @@ TEST_CASE_TEMPLATE("row_scoring_summary: score_rows is score transposed, each id
                                                            {33},
                                                            every(1, cap, 4),
                                                            every(cap - 1, 0, -1)};
-  for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
-    if (!score_isa_supported(isa)) {
+  for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2, cpu_isa::avx512}) {
+    if (!isa_supported(isa)) {
       continue;
     }
     oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
@@ -356,8 +356,8 @@ TEST_CASE_TEMPLATE("minmax_summary: every row group and sign pattern, on every p
     all[b] = b;
   }
   const std::vector<std::uint32_t> scattered{33, 2, 17, 16, 5, 39, 4, 31};
-  for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
-    if (!score_isa_supported(isa)) {
+  for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2, cpu_isa::avx512}) {
+    if (!isa_supported(isa)) {
       continue;
     }
     oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
@@ -409,8 +409,8 @@ TEST_CASE("minmax_summary: an overflowed minimum does not spoil a positive query
   float* k = reinterpret_cast<float*>(pool.slot_data(0));
   k[0] = -1e6f;
   k[8] = 2.0f;  // the second token: dimension 0's maximum is 2
-  for (const score_isa isa : {score_isa::scalar, score_isa::avx2, score_isa::avx512}) {
-    if (!score_isa_supported(isa)) {
+  for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2, cpu_isa::avx512}) {
+    if (!isa_supported(isa)) {
       continue;
     }
     oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
@@ -436,8 +436,8 @@ TEST_CASE("quantized_minmax_summary: an upper bound of every token's dot product
       const std::uint32_t nblocks = 40;  // three tiles, the last partial
       host_tier pool(l, nblocks);
       testing::fill_random(pool, d + 9);
-      for (const score_isa isa : {score_isa::scalar, score_isa::avx512}) {
-        if (!score_isa_supported(isa)) {
+      for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx512}) {
+        if (!isa_supported(isa)) {
           continue;
         }
         oasiskv::testing::note_path("score kernels: " + std::string(to_string(isa)));
@@ -604,13 +604,13 @@ TEST_CASE("softmax row kernels: every path clamps, exponentiates and accumulates
     check_path(
         "dispatched", detail::clamp_finite_max, detail::exp_sum,
         [](float* a, const float* v, float f, std::size_t c) { detail::add_scaled(a, v, f, c); });
-#if OASISKV_SCORE_X86
-    if (score_isa_supported(score_isa::avx2)) {
+#if OASISKV_X86_KERNELS
+    if (isa_supported(cpu_isa::avx2)) {
       oasiskv::testing::note_path("softmax helpers: avx2");
       check_path("avx2", detail::clamp_finite_max_avx2, detail::exp_sum_avx2,
                  detail::add_scaled_avx2);
     }
-    if (score_isa_supported(score_isa::avx512)) {
+    if (isa_supported(cpu_isa::avx512)) {
       oasiskv::testing::note_path("softmax helpers: avx512");
       check_path("avx512", detail::clamp_finite_max_avx512, detail::exp_sum_avx512,
                  detail::add_scaled_avx512);
@@ -647,8 +647,8 @@ TEST_CASE("entry id stats: the largest id and the consecutive steps, on every pa
     const detail::entry_id_stats s = detail::entry_id_stats_scalar(ids);
     CHECK(s.top == want.top);
     CHECK(s.steps == want.steps);
-#if OASISKV_SCORE_X86
-    if (score_isa_supported(score_isa::avx512)) {
+#if OASISKV_X86_KERNELS
+    if (isa_supported(cpu_isa::avx512)) {
       const detail::entry_id_stats v = detail::entry_id_stats_avx512(ids);
       CHECK(v.top == want.top);
       CHECK(v.steps == want.steps);

@@ -14,7 +14,6 @@
 #include "oasiskv/attention/cpu/block_avx2.hpp"
 #include "oasiskv/attention/cpu/block_avx512.hpp"
 #include "oasiskv/attention/cpu/block_scalar.hpp"
-#include "oasiskv/attention/cpu/isa.hpp"
 #include "oasiskv/attention/cpu/range.hpp"
 #include "oasiskv/attention/cpu/row_state.hpp"
 #include "oasiskv/attention/cpu/thread_pool.hpp"
@@ -22,6 +21,7 @@
 #include "oasiskv/concepts/sparse_attention_kernel.hpp"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/isa.hpp"
 
 namespace oasiskv::cpu {
 

@@ -23,7 +23,7 @@
 #include "oasiskv/concepts/transfer_engine.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/cuda/detail/runtime.cuh"
-#include "oasiskv/cuda/gather_kernel.cuh"
+#include "oasiskv/cuda/detail/gather_kernel.cuh"
 
 namespace oasiskv::cuda {
 

@@ -6,7 +6,6 @@
 
 #include "oasiskv/cuda/copy_engine.cuh"
 #include "oasiskv/cuda/device_tier.cuh"
-#include "oasiskv/cuda/gather_kernel.cuh"
 #include "oasiskv/cuda/pinned_host_tier.cuh"
 #include "oasiskv/cuda/sparse_decode.cuh"
 #include "oasiskv/cuda/topk_selector.cuh"

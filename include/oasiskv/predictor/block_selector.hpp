@@ -20,16 +20,16 @@ namespace oasiskv {
 
 //! @brief Picks, per table, the blocks a selection keeps. Owns its scratch, so that after the
 //! first call at a given sequence length `append_table` does not allocate. `isa` picks the code
-//! path (`score_isa::avx512`: the passes over the scores are vector compares and compress-stores;
+//! path (`cpu_isa::avx512`: the passes over the scores are vector compares and compress-stores;
 //! otherwise scalar); every path selects the same blocks.
 class block_selector {
  public:
   block_selector() = default;
   //! @throws error `errc::unsupported` if `isa` cannot run on this build or machine.
-  explicit block_selector(score_isa isa) : isa_(resolve_score_isa(isa)) {}
+  explicit block_selector(cpu_isa isa) : isa_(resolve_isa(isa)) {}
 
   //! @brief The code path in use (never `best`).
-  score_isa isa() const noexcept { return isa_; }
+  cpu_isa isa() const noexcept { return isa_; }
 
   //! @brief Appends to `out` the blocks of one table, ascending: blocks `[0, sinks)`, the last
   //! `max(recent, 1)` blocks (the last one holds the newest token and may be partial), and the
@@ -56,8 +56,8 @@ class block_selector {
     // budget >= sinks + recent (checked by the caller) and budget < n, so 0 <= k < candidates.
     const std::uint32_t k = sp.budget_blocks - sinks - recent;
     if (k > 0) {
-#if OASISKV_SCORE_X86
-      if (isa_ == score_isa::avx512) {
+#if OASISKV_X86_KERNELS
+      if (isa_ == cpu_isa::avx512) {
         keep_top_avx512(scores + sinks, end - sinks, k, sinks, out);
       } else {
         keep_top_scalar(scores + sinks, end - sinks, k, sinks, out);
@@ -132,15 +132,15 @@ class block_selector {
     out.resize(at + kept);
   }
 
-#if OASISKV_SCORE_X86
+#if OASISKV_X86_KERNELS
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2 (as in the kernels)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
   // 16 candidates from i (fewer at the tail: `valid`), NaN as +inf; lanes not valid are -inf.
-  OASISKV_SCORE_TARGET_AVX512 static __m512 load_ranked(const float* cand, std::uint32_t i,
-                                                        __mmask16 valid) {
+  OASISKV_TARGET_AVX512 static __m512 load_ranked(const float* cand, std::uint32_t i,
+                                                  __mmask16 valid) {
     const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-inf), valid, cand + i);
     return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_ps(inf));
   }
@@ -149,9 +149,8 @@ class block_selector {
   // the least maximum of 16 x c disjoint groups (c chunks of s vectors; a group is one lane of
   // a chunk), c the fewest giving at least k groups. The pool is built by compress-stores and
   // the kept indices by compressing an index vector.
-  OASISKV_SCORE_TARGET_AVX512 void keep_top_avx512(const float* cand, std::uint32_t m,
-                                                   std::uint32_t k, std::uint32_t base,
-                                                   std::vector<std::uint32_t>& out) {
+  OASISKV_TARGET_AVX512 void keep_top_avx512(const float* cand, std::uint32_t m, std::uint32_t k,
+                                             std::uint32_t base, std::vector<std::uint32_t>& out) {
     __m512 lower = _mm512_set1_ps(-inf);
     if (std::uint64_t{k} * 8 <= m) {
       const std::uint32_t chunks = (k + 15) / 16;
@@ -217,7 +216,7 @@ class block_selector {
 #endif
 #endif
 
-  score_isa isa_ = resolve_score_isa(score_isa::best);
+  cpu_isa isa_ = resolve_isa(cpu_isa::best);
   std::vector<float> ranked_;  // the candidates' scores, NaN as +inf (scalar path); reused
   std::vector<float> pool_;    // those at or above the lower bound of the threshold
 };

@@ -30,8 +30,8 @@ namespace oasiskv {
 //! must each be folded in once. Concurrent `score` calls are safe.
 class mean_summary {
  public:
-  mean_summary(const kv_layout& layout, std::uint32_t capacity, score_isa isa = score_isa::best)
-      : layout_(layout), capacity_(capacity), isa_(resolve_score_isa(isa)) {
+  mean_summary(const kv_layout& layout, std::uint32_t capacity, cpu_isa isa = cpu_isa::best)
+      : layout_(layout), capacity_(capacity), isa_(resolve_isa(isa)) {
     layout_.validate();
     if (capacity_ == 0) [[unlikely]] {
       detail::raise(errc::invalid_argument, "mean_summary capacity is 0");
@@ -42,8 +42,8 @@ class mean_summary {
 
   std::uint32_t capacity() const noexcept { return capacity_; }
   const kv_layout& layout() const noexcept { return layout_; }
-  score_isa isa() const noexcept { return isa_; }
-  void set_isa(score_isa isa) { isa_ = resolve_score_isa(isa); }
+  cpu_isa isa() const noexcept { return isa_; }
+  void set_isa(cpu_isa isa) { isa_ = resolve_isa(isa); }
 
   //! @brief Capacity becomes `capacity`: entries keep their sums, the new ones start empty
   //! (models `growable_summary`). `errc::invalid_argument` below the current capacity.
@@ -162,7 +162,7 @@ class mean_summary {
 
   kv_layout layout_;
   std::uint32_t capacity_;
-  score_isa isa_;
+  cpu_isa isa_;
   std::vector<float> sums_;
   std::vector<std::uint16_t> tokens_;
 };

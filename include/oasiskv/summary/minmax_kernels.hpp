@@ -177,7 +177,7 @@ class minmax_row_plan {
   std::vector<std::uint8_t> pattern_;
 };
 
-#if OASISKV_SCORE_X86
+#if OASISKV_X86_KERNELS
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -186,15 +186,15 @@ class minmax_row_plan {
 #endif
 
 // The maximum and minimum of one dimension of a tile (at `t`, its 16 entries), widened to f32.
-OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const float* t, __m512& mx, __m512& mn) {
+OASISKV_TARGET_AVX512 inline void load_bounds16(const float* t, __m512& mx, __m512& mn) {
   mx = _mm512_loadu_ps(t);
   mn = _mm512_loadu_ps(t + 16);
 }
-OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const f16* t, __m512& mx, __m512& mn) {
+OASISKV_TARGET_AVX512 inline void load_bounds16(const f16* t, __m512& mx, __m512& mn) {
   mx = load16(t);
   mn = load16(t + 16);
 }
-OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const bf16* t, __m512& mx, __m512& mn) {
+OASISKV_TARGET_AVX512 inline void load_bounds16(const bf16* t, __m512& mx, __m512& mn) {
   const __m512i w = _mm512_loadu_si512(t);
   mx = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16));
   mn = _mm512_castsi512_ps(
@@ -203,15 +203,15 @@ OASISKV_SCORE_TARGET_AVX512 inline void load_bounds16(const bf16* t, __m512& mx,
 
 // One bound of the dimension at element `at` of a tile (0 = max, 1 = min), widened to f32.
 template <int Which>
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const float* t) {
+OASISKV_TARGET_AVX512 inline __m512 load_bound16(const float* t) {
   return _mm512_loadu_ps(t + Which * 16);
 }
 template <int Which>
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const f16* t) {
+OASISKV_TARGET_AVX512 inline __m512 load_bound16(const f16* t) {
   return load16(t + Which * 16);
 }
 template <int Which>
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const bf16* t) {
+OASISKV_TARGET_AVX512 inline __m512 load_bound16(const bf16* t) {
   __m512 mx, mn;
   load_bounds16(t, mx, mn);
   return Which == 0 ? mx : mn;
@@ -223,7 +223,7 @@ OASISKV_SCORE_TARGET_AVX512 inline __m512 load_bound16(const bf16* t) {
 // zero term). `pf` walks the next tile, a dimension per position: in a decode loop the
 // summaries are evicted from L2 between calls, and this tile's order is not sequential.
 template <int R, unsigned P, int K, class S>
-[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX512 inline void minmax_step_avx512(
+[[gnu::always_inline]] OASISKV_TARGET_AVX512 inline void minmax_step_avx512(
     const S* tile, const minmax_row_group& g, std::uint32_t i, const S*& pf, __m512 (&acc)[2][R]) {
   constexpr unsigned all = (1u << R) - 1;
   _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
@@ -249,7 +249,7 @@ template <int R, unsigned P, int K, class S>
 
 // The positions of sign pattern P, alternating between the two accumulator sets.
 template <int R, unsigned P, class S>
-[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX512 inline void minmax_pattern_avx512(
+[[gnu::always_inline]] OASISKV_TARGET_AVX512 inline void minmax_pattern_avx512(
     const S* tile, const minmax_row_group& g, const S*& pf, __m512 (&acc)[2][R]) {
   const std::uint32_t i1 = g.begin[P + 1];
   std::uint32_t i = g.begin[P];
@@ -263,7 +263,7 @@ template <int R, unsigned P, class S>
 }
 
 template <int R, class S, unsigned... P>
-[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX512 inline void minmax_patterns_avx512(
+[[gnu::always_inline]] OASISKV_TARGET_AVX512 inline void minmax_patterns_avx512(
     const S* tile, const minmax_row_group& g, const S* pf, __m512 (&acc)[2][R],
     std::integer_sequence<unsigned, P...>) {
   (minmax_pattern_avx512<R, P>(tile, g, pf, acc), ...);
@@ -271,9 +271,9 @@ template <int R, class S, unsigned... P>
 
 // The R rows of group `g` against the 16 entries of a tile: res[r * 16 + lane].
 template <int R, class S>
-OASISKV_SCORE_TARGET_AVX512 inline void minmax_tile_avx512(const S* tile, const float* bias,
-                                                           std::uint32_t d,
-                                                           const minmax_row_group& g, float* res) {
+OASISKV_TARGET_AVX512 inline void minmax_tile_avx512(const S* tile, const float* bias,
+                                                     std::uint32_t d, const minmax_row_group& g,
+                                                     float* res) {
   __m512 acc[2][R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
@@ -291,11 +291,10 @@ OASISKV_SCORE_TARGET_AVX512 inline void minmax_tile_avx512(const S* tile, const 
 
 // The rows of one run of `count` consecutive lanes of a tile, a row group at a time.
 template <class S>
-OASISKV_SCORE_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* bias,
-                                                   std::uint32_t d, std::uint32_t lane0,
-                                                   std::uint32_t count,
-                                                   std::span<const minmax_row_group> groups,
-                                                   const score_sink& out, std::size_t i0) {
+OASISKV_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* bias, std::uint32_t d,
+                                             std::uint32_t lane0, std::uint32_t count,
+                                             std::span<const minmax_row_group> groups,
+                                             const score_sink& out, std::size_t i0) {
   alignas(64) float res[minmax_group_rows * 16];
   for (const minmax_row_group& g : groups) {
     switch (g.rows) {
@@ -317,18 +316,18 @@ OASISKV_SCORE_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* b
 }
 
 // The maximum and minimum of lanes [8 * half, 8 * half + 8) of one dimension of a tile (at `t`).
-OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const float* t, std::uint32_t half, __m256& mx,
-                                                   __m256& mn) {
+OASISKV_TARGET_AVX2 inline void load_bounds8(const float* t, std::uint32_t half, __m256& mx,
+                                             __m256& mn) {
   mx = _mm256_loadu_ps(t + half * 8);
   mn = _mm256_loadu_ps(t + 16 + half * 8);
 }
-OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const f16* t, std::uint32_t half, __m256& mx,
-                                                   __m256& mn) {
+OASISKV_TARGET_AVX2 inline void load_bounds8(const f16* t, std::uint32_t half, __m256& mx,
+                                             __m256& mn) {
   mx = load8(t + half * 8);
   mn = load8(t + 16 + half * 8);
 }
-OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const bf16* t, std::uint32_t half, __m256& mx,
-                                                   __m256& mn) {
+OASISKV_TARGET_AVX2 inline void load_bounds8(const bf16* t, std::uint32_t half, __m256& mx,
+                                             __m256& mn) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + half * 16));
   mx = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   mn = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
@@ -336,7 +335,7 @@ OASISKV_SCORE_TARGET_AVX2 inline void load_bounds8(const bf16* t, std::uint32_t 
 
 // One bound (0 = max, 1 = min) of lanes [8 * half, 8 * half + 8) of the dimension at `t`.
 template <int Which, class S>
-OASISKV_SCORE_TARGET_AVX2 inline __m256 load_bound8(const S* t, std::uint32_t half) {
+OASISKV_TARGET_AVX2 inline __m256 load_bound8(const S* t, std::uint32_t half) {
   if constexpr (std::is_same_v<S, bf16>) {
     __m256 mx, mn;
     load_bounds8(t, half, mx, mn);
@@ -348,7 +347,7 @@ OASISKV_SCORE_TARGET_AVX2 inline __m256 load_bound8(const S* t, std::uint32_t ha
 
 // The AVX2 form of minmax_pattern_avx512: both halves of the tile, acc[half][row].
 template <int R, unsigned P, class S>
-[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX2 inline void minmax_pattern_avx2(
+[[gnu::always_inline]] OASISKV_TARGET_AVX2 inline void minmax_pattern_avx2(
     const S* tile, const minmax_row_group& g, __m256 (&acc)[2][R]) {
   constexpr unsigned all = (1u << R) - 1;
   const std::uint32_t i1 = g.begin[P + 1];
@@ -378,7 +377,7 @@ template <int R, unsigned P, class S>
 }
 
 template <int R, class S, unsigned... P>
-[[gnu::always_inline]] OASISKV_SCORE_TARGET_AVX2 inline void minmax_patterns_avx2(
+[[gnu::always_inline]] OASISKV_TARGET_AVX2 inline void minmax_patterns_avx2(
     const S* tile, const minmax_row_group& g, __m256 (&acc)[2][R],
     std::integer_sequence<unsigned, P...>) {
   (minmax_pattern_avx2<R, P>(tile, g, acc), ...);
@@ -386,8 +385,8 @@ template <int R, class S, unsigned... P>
 
 // The R rows of group `g` against the 16 entries of a tile: res[r * 16 + lane].
 template <int R, class S>
-OASISKV_SCORE_TARGET_AVX2 inline void minmax_tile_avx2(const S* tile, const float* bias,
-                                                       const minmax_row_group& g, float* res) {
+OASISKV_TARGET_AVX2 inline void minmax_tile_avx2(const S* tile, const float* bias,
+                                                 const minmax_row_group& g, float* res) {
   __m256 acc[2][R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
@@ -403,10 +402,10 @@ OASISKV_SCORE_TARGET_AVX2 inline void minmax_tile_avx2(const S* tile, const floa
 }
 
 template <class S>
-OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias,
-                                               std::uint32_t lane0, std::uint32_t count,
-                                               std::span<const minmax_row_group> groups,
-                                               const score_sink& out, std::size_t i0) {
+OASISKV_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias, std::uint32_t lane0,
+                                         std::uint32_t count,
+                                         std::span<const minmax_row_group> groups,
+                                         const score_sink& out, std::size_t i0) {
   alignas(32) float res[minmax_group_rows * 16];
   for (const minmax_row_group& g : groups) {
     switch (g.rows) {
@@ -430,7 +429,7 @@ OASISKV_SCORE_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias,
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#endif  // OASISKV_SCORE_X86
+#endif  // OASISKV_X86_KERNELS
 
 //! @brief Checks every id against `capacity` (`errc::out_of_range` naming `who`); returns
 //! whether they are consecutive ascending, so that runs need no scanning.
@@ -498,23 +497,23 @@ inline std::size_t same_tile_end(std::span<const std::uint32_t> ids, std::size_t
 //! (a tile costs the same whether 1 or 16 of its lanes are wanted); only ids alone in their
 //! tile cost a tile each. `contiguous`: the ids are consecutive ascending.
 template <class S>
-void minmax_score_tiles(score_isa isa, const S* tiles, const float* bias, std::uint32_t d,
+void minmax_score_tiles(cpu_isa isa, const S* tiles, const float* bias, std::uint32_t d,
                         std::span<const std::uint32_t> ids, bool contiguous, const float* split,
                         std::uint32_t n, const score_sink& out) {
   const std::size_t tile_elems = std::size_t{2} * d * minmax_tile_lanes;
   thread_local minmax_row_plan plan;
   std::span<const minmax_row_group> groups;
-  if (isa != score_isa::scalar) {
+  if (isa != cpu_isa::scalar) {
     groups = plan.build(split, n, d);
   }
   auto run = [&](const S* tile, const float* tb, std::uint32_t lane0, std::uint32_t m,
                  const score_sink& to, std::size_t i0) {
-#if OASISKV_SCORE_X86
-    if (isa == score_isa::avx512) {
+#if OASISKV_X86_KERNELS
+    if (isa == cpu_isa::avx512) {
       minmax_run_avx512(tile, tb, d, lane0, m, groups, to, i0);
       return;
     }
-    if (isa == score_isa::avx2) {
+    if (isa == cpu_isa::avx2) {
       minmax_run_avx2(tile, tb, lane0, m, groups, to, i0);
       return;
     }

@@ -49,7 +49,7 @@ class minmax_summary {
  public:
   using storage_type = Storage;
 
-  minmax_summary(const kv_layout& layout, std::uint32_t capacity, score_isa isa = score_isa::best)
+  minmax_summary(const kv_layout& layout, std::uint32_t capacity, cpu_isa isa = cpu_isa::best)
       : layout_(layout), capacity_(capacity), isa_(resolve(isa)) {
     layout_.validate();
     if (capacity_ == 0) [[unlikely]] {
@@ -65,9 +65,9 @@ class minmax_summary {
 
   std::uint32_t capacity() const noexcept { return capacity_; }
   const kv_layout& layout() const noexcept { return layout_; }
-  score_isa isa() const noexcept { return isa_; }
+  cpu_isa isa() const noexcept { return isa_; }
   //! @brief Chooses the scoring path (tests compare them); `errc::unsupported` if it cannot run.
-  void set_isa(score_isa isa) { isa_ = resolve(isa); }
+  void set_isa(cpu_isa isa) { isa_ = resolve(isa); }
 
   //! @brief Capacity becomes `capacity`: entries keep their bounds, the new ones start empty
   //! (models `growable_summary`). `errc::invalid_argument` below the current capacity.
@@ -261,7 +261,7 @@ class minmax_summary {
     }
   }
 
-  static score_isa resolve(score_isa isa) { return resolve_score_isa(isa); }
+  static cpu_isa resolve(cpu_isa isa) { return resolve_isa(isa); }
 
   // [num_kv_heads][tiles][tile]: one head's entries are contiguous, so scoring a head streams
   // through memory.
@@ -292,7 +292,7 @@ class minmax_summary {
 
   kv_layout layout_;
   std::uint32_t capacity_;
-  score_isa isa_;
+  cpu_isa isa_;
   std::uint32_t tiles_ = 0;
   std::size_t tile_elems_ = 0;
   std::vector<Storage> bounds_;        // [num_kv_heads][tiles][2 * head_dim * 16], see at()

@@ -68,10 +68,10 @@ inline void qkey_dots_scalar(const std::uint8_t* codes, std::uint32_t d, std::ui
   }
 }
 
-#if OASISKV_SCORE_X86
+#if OASISKV_X86_KERNELS
 // 16 codes of one dimension as two vectors of 8 floats.
 template <int Bits>
-OASISKV_SCORE_TARGET_AVX2 inline void qkey_widen16(const std::uint8_t* p, __m256& lo, __m256& hi) {
+OASISKV_TARGET_AVX2 inline void qkey_widen16(const std::uint8_t* p, __m256& lo, __m256& hi) {
   __m128i v;
   if constexpr (Bits == 8) {
     v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -90,9 +90,9 @@ OASISKV_SCORE_TARGET_AVX2 inline void qkey_widen16(const std::uint8_t* p, __m256
 // R query rows against one lane group of 16 tokens: each dimension's codes are widened once
 // and multiplied into 2R accumulators (16 tokens x R rows in registers, no horizontal sums).
 template <int Bits, int R>
-OASISKV_SCORE_TARGET_AVX2 inline void qkey_group_avx2(const std::uint8_t* codes, std::size_t step,
-                                                      std::uint32_t d, const float* q, float* dots,
-                                                      std::uint32_t tp) {
+OASISKV_TARGET_AVX2 inline void qkey_group_avx2(const std::uint8_t* codes, std::size_t step,
+                                                std::uint32_t d, const float* q, float* dots,
+                                                std::uint32_t tp) {
   __m256 acc[R][2];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
@@ -117,9 +117,9 @@ OASISKV_SCORE_TARGET_AVX2 inline void qkey_group_avx2(const std::uint8_t* codes,
 }
 
 template <int Bits>
-OASISKV_SCORE_TARGET_AVX2 inline void qkey_dots_avx2(const std::uint8_t* codes, std::uint32_t d,
-                                                     std::uint32_t tp, const float* q,
-                                                     std::uint32_t n, float* dots) {
+OASISKV_TARGET_AVX2 inline void qkey_dots_avx2(const std::uint8_t* codes, std::uint32_t d,
+                                               std::uint32_t tp, const float* q, std::uint32_t n,
+                                               float* dots) {
   const std::size_t step = Bits == 8 ? tp : tp / 2;  // bytes per dimension
   for (std::uint32_t g = 0; g < tp; g += qkey_lanes) {
     const std::uint8_t* c = codes + (Bits == 8 ? g : g / 2);
@@ -146,7 +146,7 @@ OASISKV_SCORE_TARGET_AVX2 inline void qkey_dots_avx2(const std::uint8_t* codes, 
   }
 }
 
-OASISKV_SCORE_TARGET_AVX2 inline float qkey_hmax8(__m256 v) {
+OASISKV_TARGET_AVX2 inline float qkey_hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
@@ -156,8 +156,8 @@ OASISKV_SCORE_TARGET_AVX2 inline float qkey_hmax8(__m256 v) {
 // One row's epilogue: `v` (the row's raw dot products, tp of them) becomes the dequantized dot
 // products (-inf for absent tokens, +inf for non-finite keys); returns their max, or for
 // `scale` > 0 the scaled log-sum-exp (see quantized_key_summary::score_log_mass).
-OASISKV_SCORE_TARGET_AVX2 inline float qkey_reduce_avx2(float* v, const float* sc, std::uint32_t tp,
-                                                        float scale) {
+OASISKV_TARGET_AVX2 inline float qkey_reduce_avx2(float* v, const float* sc, std::uint32_t tp,
+                                                  float scale) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 pinf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 zero = _mm256_setzero_ps();
@@ -209,7 +209,7 @@ OASISKV_SCORE_TARGET_AVX2 inline float qkey_reduce_avx2(float* v, const float* s
 //! bytes, `tp` = `tokens_per_block` rounded up to 16: codes, scales, the token count. For
 //! 16-token blocks and f16 K+V that is `(Bits / 8 + 4 / head_dim) / 4` of the block's bytes
 //! (int8, head_dim 64: 26.6%; int4: 14.1%), against 6.25% for `minmax_summary<f16>`.
-//! `score_isa::avx2` and `avx512` run an AVX2+FMA kernel (16 tokens x 4 rows per pass, in
+//! `cpu_isa::avx2` and `avx512` run an AVX2+FMA kernel (16 tokens x 4 rows per pass, in
 //! registers; a vectorised epilogue with a polynomial `exp`, about 2 ulp); `scalar` a portable
 //! one: same products, sums in another order, `std::exp`. Concurrent
 //! `score` / `score_log_mass` calls are safe.
@@ -225,7 +225,7 @@ class quantized_key_summary {
   static constexpr const char* name = Bits == 8 ? "int8_key_summary" : "int4_key_summary";
 
   quantized_key_summary(const kv_layout& layout, std::uint32_t capacity,
-                        score_isa isa = score_isa::best)
+                        cpu_isa isa = cpu_isa::best)
       : layout_(layout), capacity_(capacity) {
     layout_.validate();
     if (capacity_ == 0) [[unlikely]] {
@@ -258,9 +258,9 @@ class quantized_key_summary {
     capacity_ = capacity;
   }
   const kv_layout& layout() const noexcept { return layout_; }
-  score_isa isa() const noexcept { return isa_; }
+  cpu_isa isa() const noexcept { return isa_; }
   //! @brief Chooses the scoring path; `errc::unsupported` if it cannot run.
-  void set_isa(score_isa isa) { isa_ = resolve_score_isa(isa); }
+  void set_isa(cpu_isa isa) { isa_ = resolve_isa(isa); }
 
   std::size_t bytes_per_block() const noexcept {
     return std::size_t{layout_.num_kv_heads} * (code_bytes_ + std::size_t{tp_} * sizeof(float)) +
@@ -399,8 +399,8 @@ class quantized_key_summary {
       }
       const std::uint8_t* codes = codes_of(h, b);
       const float* sc = scales_of(h, b);
-#if OASISKV_SCORE_X86
-      if (isa_ != score_isa::scalar) {
+#if OASISKV_X86_KERNELS
+      if (isa_ != cpu_isa::scalar) {
         detail::qkey_dots_avx2<Bits>(codes, d, tp_, q, n, dots.data());
         for (std::uint32_t r = 0; r < n; ++r) {
           o[r] = detail::qkey_reduce_avx2(dots.data() + std::size_t{r} * tp_, sc, tp_, scale);
@@ -461,7 +461,7 @@ class quantized_key_summary {
 
   kv_layout layout_;
   std::uint32_t capacity_;
-  score_isa isa_ = score_isa::scalar;
+  cpu_isa isa_ = cpu_isa::scalar;
   std::uint32_t tp_ = 0;               // tokens_per_block rounded up to 16
   std::size_t code_bytes_ = 0;         // per (entry, KV head)
   std::vector<std::uint8_t> codes_;    // [kv heads][capacity][head_dim][tp] codes (int4: tp / 2)

@@ -67,7 +67,7 @@ inline void qminmax_run_scalar(const std::int8_t* tile, const float* scale, cons
   }
 }
 
-#if OASISKV_SCORE_X86
+#if OASISKV_X86_KERNELS
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push  // gcc 12's unmasked AVX-512 intrinsics: see score_kernels.hpp
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -75,10 +75,9 @@ inline void qminmax_run_scalar(const std::int8_t* tile, const float* scale, cons
 #endif
 
 template <int R>
-OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile,
-                                                              std::uint32_t d,
-                                                              const std::uint32_t* qw,
-                                                              std::int32_t* acc_out) {
+OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile, std::uint32_t d,
+                                                        const std::uint32_t* qw,
+                                                        std::int32_t* acc_out) {
   __m512i acc[2][R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -108,7 +107,7 @@ OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t*
 
 // Lanes [lane0, lane0 + count) of one tile, every row: entry i0 + k, row r of `out` =
 // dot * (scale * t[r]) + slack[r] * norm + bias, the epilogue in vectors of 16 entries.
-OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_run_vnni(
+OASISKV_TARGET_AVX512VNNI inline void qminmax_run_vnni(
     const std::int8_t* tile, const float* scale, const float* norm, const float* bias,
     std::uint32_t d, std::uint32_t lane0, std::uint32_t count, const std::uint32_t* qw,
     const float* t, const float* slack, std::uint32_t n, const score_sink& out, std::size_t i0) {
@@ -185,7 +184,7 @@ OASISKV_SCORE_TARGET_AVX512VNNI inline void qminmax_run_vnni(
 //! Models `block_summary`, `growable_summary` and `loadable_summary` (the f16 bounds a prefill
 //! node ships, quantized on load). Memory: `num_kv_heads * (2 * head_dim + 8) + 6` bytes per entry
 //! (codes, scale, norm; the empty/overflow bias and the token count); the capacity is rounded up to
-//! a multiple of 16. `score_isa::avx512` runs the VNNI kernel where the CPU has AVX512_VNNI; every
+//! a multiple of 16. `cpu_isa::avx512` runs the VNNI kernel where the CPU has AVX512_VNNI; every
 //! other path runs the scalar one (same integers, same result up to f32 rounding). Concurrent
 //! `score` calls are safe.
 class quantized_minmax_summary {
@@ -194,7 +193,7 @@ class quantized_minmax_summary {
 
  public:
   quantized_minmax_summary(const kv_layout& layout, std::uint32_t capacity,
-                           score_isa isa = score_isa::best)
+                           cpu_isa isa = cpu_isa::best)
       : layout_(layout), capacity_(capacity) {
     layout_.validate();
     if (capacity_ == 0) [[unlikely]] {
@@ -237,14 +236,11 @@ class quantized_minmax_summary {
     capacity_ = capacity;
   }
   const kv_layout& layout() const noexcept { return layout_; }
-  score_isa isa() const noexcept { return isa_; }
+  cpu_isa isa() const noexcept { return isa_; }
   //! @brief Chooses the scoring path; `errc::unsupported` if it cannot run.
-  void set_isa(score_isa isa) {
-    isa_ = resolve_score_isa(isa);
-#if OASISKV_SCORE_X86
-    __builtin_cpu_init();
-    vnni_ = isa_ == score_isa::avx512 && __builtin_cpu_supports("avx512vnni");
-#endif
+  void set_isa(cpu_isa isa) {
+    isa_ = resolve_isa(isa);
+    vnni_ = isa_ == cpu_isa::avx512 && detected_cpu_features().avx512_vnni;
   }
 
   std::size_t bytes_per_block() const noexcept {
@@ -440,7 +436,7 @@ class quantized_minmax_summary {
       const std::size_t j = contiguous ? 0 : detail::same_tile_end(entries, i, m, lanes);
       auto run = [&](std::uint32_t from, std::uint32_t count, const detail::score_sink& to,
                      std::size_t i0) {
-#if OASISKV_SCORE_X86
+#if OASISKV_X86_KERNELS
         if (vnni_) {
           detail::qminmax_run_vnni(codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
                                    row.data() + n, n, to, i0);
@@ -520,7 +516,7 @@ class quantized_minmax_summary {
 
   kv_layout layout_;
   std::uint32_t capacity_;
-  score_isa isa_ = score_isa::scalar;
+  cpu_isa isa_ = cpu_isa::scalar;
   bool vnni_ = false;
   std::uint32_t tiles_ = 0;
   std::size_t tile_bytes_ = 0;

@@ -16,76 +16,11 @@
 #include <type_traits>
 
 #include "oasiskv/config.hpp"
-#include "oasiskv/core/cpu_features.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
+#include "oasiskv/core/isa.hpp"
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define OASISKV_SCORE_X86 1
-#include <immintrin.h>
-#define OASISKV_SCORE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define OASISKV_SCORE_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
-#define OASISKV_SCORE_TARGET_AVX512VNNI \
-  __attribute__((target("avx512vnni,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
-#else
-#define OASISKV_SCORE_X86 0
-#endif
-
-namespace oasiskv {
-
-//! @brief A code path of the summary scoring kernels; `best` is the widest the machine runs.
-enum class score_isa : std::uint8_t { scalar, avx2, avx512, best };
-
-constexpr std::string_view to_string(score_isa i) noexcept {
-  switch (i) {
-    case score_isa::scalar:
-      return "scalar";
-    case score_isa::avx2:
-      return "avx2";
-    case score_isa::avx512:
-      return "avx512";
-    case score_isa::best:
-      return "best";
-  }
-  return "unknown";
-}
-
-//! @brief Whether this build and machine run `i` (`scalar` and `best` always do).
-inline bool score_isa_supported(score_isa i) noexcept {
-#if OASISKV_SCORE_X86
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    oasiskv::detail::cpu_has_f16c();
-  if (i == score_isa::avx2) {
-    return avx2;
-  }
-  if (i == score_isa::avx512) {
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  }
-  return true;
-#else
-  return i == score_isa::scalar || i == score_isa::best;
-#endif
-}
-
-//! @brief `i`, or for `best` the widest supported path; `errc::unsupported` if `i` cannot run.
-inline score_isa resolve_score_isa(score_isa i) {
-  if (i == score_isa::best) {
-    static const score_isa detected = score_isa_supported(score_isa::avx512) ? score_isa::avx512
-                                      : score_isa_supported(score_isa::avx2) ? score_isa::avx2
-                                                                             : score_isa::scalar;
-    return detected;
-  }
-  if (!score_isa_supported(i)) [[unlikely]] {
-    detail::raise(errc::unsupported, "score_isa ", to_string(i),
-                  " is not supported by this build or CPU");
-  }
-  return i;
-}
-
-namespace detail {
+namespace oasiskv::detail {
 
 //! @brief Widens a stored summary element.
 OASISKV_ALWAYS_INLINE float widen(float v) noexcept {
@@ -154,7 +89,7 @@ void dot_entries_scalar(const S* base, std::size_t entry_stride, std::span<const
   }
 }
 
-#if OASISKV_SCORE_X86
+#if OASISKV_X86_KERNELS
 
 // gcc 12's unmasked AVX-512 conversions start from _mm512_undefined_*(), which -Wuninitialized
 // reports once inlined; the zero-masked forms used below avoid them, this keeps stragglers quiet.
@@ -164,31 +99,31 @@ void dot_entries_scalar(const S* base, std::size_t entry_stride, std::span<const
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
-OASISKV_SCORE_TARGET_AVX2 inline float hsum8(__m256 a) {
+OASISKV_TARGET_AVX2 inline float hsum8(__m256 a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load16(const float* p) {
+OASISKV_TARGET_AVX512 inline __m512 load16(const float* p) {
   return _mm512_loadu_ps(p);
 }
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load16(const f16* p) {
+OASISKV_TARGET_AVX512 inline __m512 load16(const f16* p) {
   return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load16(const bf16* p) {
+OASISKV_TARGET_AVX512 inline __m512 load16(const bf16* p) {
   const __m512i w =
       _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16));
 }
 // The 8-element tail of a row whose length is 8 mod 16; the upper lanes are zero.
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load8_zext(const float* p) {
+OASISKV_TARGET_AVX512 inline __m512 load8_zext(const float* p) {
   return _mm512_maskz_loadu_ps(0x00ff, p);
 }
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load8_zext(const f16* p) {
+OASISKV_TARGET_AVX512 inline __m512 load8_zext(const f16* p) {
   return _mm512_maskz_cvtph_ps(
       0xffff, _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-OASISKV_SCORE_TARGET_AVX512 inline __m512 load8_zext(const bf16* p) {
+OASISKV_TARGET_AVX512 inline __m512 load8_zext(const bf16* p) {
   const __m512i w = _mm512_maskz_cvtepu16_epi32(
       0xffff, _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16));
@@ -197,7 +132,7 @@ OASISKV_SCORE_TARGET_AVX512 inline __m512 load8_zext(const bf16* p) {
 // Writes the horizontal sums of R accumulators to out[0..R): for 4 and 8 rows a transposing
 // add tree, which costs about a third of R separate reductions.
 template <int R>
-OASISKV_SCORE_TARGET_AVX512 inline void reduce_store(const __m512* acc, float* out) {
+OASISKV_TARGET_AVX512 inline void reduce_store(const __m512* acc, float* out) {
   __m256 y[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -224,8 +159,8 @@ OASISKV_SCORE_TARGET_AVX512 inline void reduce_store(const __m512* acc, float* o
 // R query rows against one entry. Fewer than 8 rows keep two accumulators per row, so at
 // least 8 independent FMA chains hide the FMA latency.
 template <int R, class S>
-OASISKV_SCORE_TARGET_AVX512 inline void dot_tile_avx512(const S* v, const float* rows,
-                                                        std::uint32_t len, float* out) {
+OASISKV_TARGET_AVX512 inline void dot_tile_avx512(const S* v, const float* rows, std::uint32_t len,
+                                                  float* out) {
   constexpr int split = R >= 8 ? 1 : 2;
   __m512 acc[split][R];
 #pragma GCC unroll 8
@@ -271,10 +206,9 @@ OASISKV_SCORE_TARGET_AVX512 inline void dot_tile_avx512(const S* v, const float*
 }
 
 template <class S>
-OASISKV_SCORE_TARGET_AVX512 void dot_entries_avx512(const S* base, std::size_t entry_stride,
-                                                    std::span<const std::uint32_t> ids,
-                                                    const float* rows, std::uint32_t n,
-                                                    std::uint32_t len, float* out) {
+OASISKV_TARGET_AVX512 void dot_entries_avx512(const S* base, std::size_t entry_stride,
+                                              std::span<const std::uint32_t> ids, const float* rows,
+                                              std::uint32_t n, std::uint32_t len, float* out) {
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const S* v = base + std::size_t{ids[i]} * entry_stride;
     if (i + 1 < ids.size()) {
@@ -316,19 +250,19 @@ OASISKV_SCORE_TARGET_AVX512 void dot_entries_avx512(const S* base, std::size_t e
   }
 }
 
-OASISKV_SCORE_TARGET_AVX2 inline __m256 load8(const float* p) {
+OASISKV_TARGET_AVX2 inline __m256 load8(const float* p) {
   return _mm256_loadu_ps(p);
 }
-OASISKV_SCORE_TARGET_AVX2 inline __m256 load8(const f16* p) {
+OASISKV_TARGET_AVX2 inline __m256 load8(const f16* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-OASISKV_SCORE_TARGET_AVX2 inline __m256 load8(const bf16* p) {
+OASISKV_TARGET_AVX2 inline __m256 load8(const bf16* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 template <int R, class S>
-OASISKV_SCORE_TARGET_AVX2 inline void dot_tile_avx2(const S* v, const float* rows,
-                                                    std::uint32_t len, float* out) {
+OASISKV_TARGET_AVX2 inline void dot_tile_avx2(const S* v, const float* rows, std::uint32_t len,
+                                              float* out) {
   __m256 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -349,10 +283,9 @@ OASISKV_SCORE_TARGET_AVX2 inline void dot_tile_avx2(const S* v, const float* row
 }
 
 template <class S>
-OASISKV_SCORE_TARGET_AVX2 void dot_entries_avx2(const S* base, std::size_t entry_stride,
-                                                std::span<const std::uint32_t> ids,
-                                                const float* rows, std::uint32_t n,
-                                                std::uint32_t len, float* out) {
+OASISKV_TARGET_AVX2 void dot_entries_avx2(const S* base, std::size_t entry_stride,
+                                          std::span<const std::uint32_t> ids, const float* rows,
+                                          std::uint32_t n, std::uint32_t len, float* out) {
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const S* v = base + std::size_t{ids[i]} * entry_stride;
     float* o = out + i * n;
@@ -381,7 +314,7 @@ OASISKV_SCORE_TARGET_AVX2 void dot_entries_avx2(const S* base, std::size_t entry
 // exp of 8 floats: Cephes' single-precision polynomial (range reduction by ln 2 in two parts,
 // degree-5 polynomial, the exponent added to the bits), about 2 ulp on [-87.3, 88.7]; inputs
 // below are clamped (the result is then tiny, not 0: callers mask what must be 0).
-OASISKV_SCORE_TARGET_AVX2 inline __m256 exp8_avx2(__m256 x) {
+OASISKV_TARGET_AVX2 inline __m256 exp8_avx2(__m256 x) {
   x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
   const __m256 fx = _mm256_floor_ps(
@@ -403,8 +336,8 @@ OASISKV_SCORE_TARGET_AVX2 inline __m256 exp8_avx2(__m256 x) {
 
 // out[i] = exp(scale * (x[i] - m)); returns the sum of the out[i]. Two accumulators: the adds of
 // consecutive vectors do not wait on each other.
-OASISKV_SCORE_TARGET_AVX2 inline float exp_sum_avx2(const float* x, float m, std::size_t count,
-                                                    float scale, float* out) {
+OASISKV_TARGET_AVX2 inline float exp_sum_avx2(const float* x, float m, std::size_t count,
+                                              float scale, float* out) {
   const __m256 s = _mm256_set1_ps(scale), mv = _mm256_set1_ps(m);
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   std::size_t i = 0;
@@ -430,8 +363,8 @@ OASISKV_SCORE_TARGET_AVX2 inline float exp_sum_avx2(const float* x, float m, std
 }
 
 // out[i] = x[i] clamped to [-FLT_MAX, FLT_MAX] (NaN to FLT_MAX); returns the largest out[i].
-OASISKV_SCORE_TARGET_AVX2 inline float clamp_finite_max_avx2(const float* x, std::size_t count,
-                                                             float* out) {
+OASISKV_TARGET_AVX2 inline float clamp_finite_max_avx2(const float* x, std::size_t count,
+                                                       float* out) {
   constexpr float lim = std::numeric_limits<float>::max();
   const __m256 hi = _mm256_set1_ps(lim), lo = _mm256_set1_ps(-lim);
   __m256 m0 = lo, m1 = lo;
@@ -460,8 +393,8 @@ OASISKV_SCORE_TARGET_AVX2 inline float clamp_finite_max_avx2(const float* x, std
 }
 
 // acc[i] += k * x[i].
-OASISKV_SCORE_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x, float k,
-                                                      std::size_t count) {
+OASISKV_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x, float k,
+                                                std::size_t count) {
   const __m256 kv = _mm256_set1_ps(k);
   std::size_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -480,7 +413,7 @@ OASISKV_SCORE_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x
 #endif
 
 // exp8_avx2 on 16 floats.
-OASISKV_SCORE_TARGET_AVX512 inline __m512 exp16_avx512(__m512 x) {
+OASISKV_TARGET_AVX512 inline __m512 exp16_avx512(__m512 x) {
   x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
   const __m512 fx = _mm512_roundscale_ps(
@@ -501,13 +434,13 @@ OASISKV_SCORE_TARGET_AVX512 inline __m512 exp16_avx512(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-OASISKV_SCORE_TARGET_AVX512 inline __mmask16 tail16(std::size_t i, std::size_t count) {
+OASISKV_TARGET_AVX512 inline __mmask16 tail16(std::size_t i, std::size_t count) {
   return count - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (count - i)) - 1u);
 }
 
 // exp_sum_avx2 16 at a time; the tail is masked (the polynomial too, not std::exp).
-OASISKV_SCORE_TARGET_AVX512 inline float exp_sum_avx512(const float* x, float m, std::size_t count,
-                                                        float scale, float* out) {
+OASISKV_TARGET_AVX512 inline float exp_sum_avx512(const float* x, float m, std::size_t count,
+                                                  float scale, float* out) {
   const __m512 s = _mm512_set1_ps(scale), mv = _mm512_set1_ps(m);
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   std::size_t i = 0;
@@ -531,8 +464,8 @@ OASISKV_SCORE_TARGET_AVX512 inline float exp_sum_avx512(const float* x, float m,
 }
 
 // clamp_finite_max_avx2 16 at a time, with a masked tail.
-OASISKV_SCORE_TARGET_AVX512 inline float clamp_finite_max_avx512(const float* x, std::size_t count,
-                                                                 float* out) {
+OASISKV_TARGET_AVX512 inline float clamp_finite_max_avx512(const float* x, std::size_t count,
+                                                           float* out) {
   constexpr float lim = std::numeric_limits<float>::max();
   const __m512 hi = _mm512_set1_ps(lim), lo = _mm512_set1_ps(-lim);
   __m512 m0 = lo, m1 = lo;
@@ -556,8 +489,8 @@ OASISKV_SCORE_TARGET_AVX512 inline float clamp_finite_max_avx512(const float* x,
 }
 
 // acc[i] += k * x[i], 16 at a time, with a masked tail.
-OASISKV_SCORE_TARGET_AVX512 inline void add_scaled_avx512(float* acc, const float* x, float k,
-                                                          std::size_t count) {
+OASISKV_TARGET_AVX512 inline void add_scaled_avx512(float* acc, const float* x, float k,
+                                                    std::size_t count) {
   const __m512 kv = _mm512_set1_ps(k);
   for (std::size_t i = 0; i < count; i += 16) {
     const __mmask16 t = tail16(i, count);
@@ -570,18 +503,18 @@ OASISKV_SCORE_TARGET_AVX512 inline void add_scaled_avx512(float* acc, const floa
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-#endif  // OASISKV_SCORE_X86
+#endif  // OASISKV_X86_KERNELS
 
 //! @brief `out[i] = exp(scale * (x[i] - m))` for `i < count` (`x` finite; `out` may be `x`);
 //! returns the sum of the `out[i]`. The AVX-512 and AVX2 paths' polynomial is within about 2 ulp
 //! of `std::exp` and returns ~1e-38, not 0, below -87.3; the scalar path is `std::exp`.
 inline float exp_sum(const float* x, float m, std::size_t count, float scale, float* out) {
-#if OASISKV_SCORE_X86
-  static const bool avx512 = score_isa_supported(score_isa::avx512);
+#if OASISKV_X86_KERNELS
+  static const bool avx512 = isa_supported(cpu_isa::avx512);
   if (avx512) {
     return exp_sum_avx512(x, m, count, scale, out);
   }
-  static const bool avx2 = score_isa_supported(score_isa::avx2);
+  static const bool avx2 = isa_supported(cpu_isa::avx2);
   if (avx2) {
     return exp_sum_avx2(x, m, count, scale, out);
   }
@@ -598,12 +531,12 @@ inline float exp_sum(const float* x, float m, std::size_t count, float scale, fl
 //! to the lowest) for `i < count` (`out` may be `x`); returns the largest `out[i]`, or the lowest
 //! finite float when `count` is 0.
 inline float clamp_finite_max(const float* x, std::size_t count, float* out) {
-#if OASISKV_SCORE_X86
-  static const bool avx512 = score_isa_supported(score_isa::avx512);
+#if OASISKV_X86_KERNELS
+  static const bool avx512 = isa_supported(cpu_isa::avx512);
   if (avx512) {
     return clamp_finite_max_avx512(x, count, out);
   }
-  static const bool avx2 = score_isa_supported(score_isa::avx2);
+  static const bool avx2 = isa_supported(cpu_isa::avx2);
   if (avx2) {
     return clamp_finite_max_avx2(x, count, out);
   }
@@ -620,13 +553,13 @@ inline float clamp_finite_max(const float* x, std::size_t count, float* out) {
 
 //! @brief `acc[i] += k * x[i]` for `i < count`.
 inline void add_scaled(float* acc, const float* x, float k, std::size_t count) {
-#if OASISKV_SCORE_X86
-  static const bool avx512 = score_isa_supported(score_isa::avx512);
+#if OASISKV_X86_KERNELS
+  static const bool avx512 = isa_supported(cpu_isa::avx512);
   if (avx512) {
     add_scaled_avx512(acc, x, k, count);
     return;
   }
-  static const bool avx2 = score_isa_supported(score_isa::avx2);
+  static const bool avx2 = isa_supported(cpu_isa::avx2);
   if (avx2) {
     add_scaled_avx2(acc, x, k, count);
     return;
@@ -640,15 +573,15 @@ inline void add_scaled(float* acc, const float* x, float k, std::size_t count) {
 //! @brief `out[i * n + r] = dot(rows[r], base[ids[i] * entry_stride .. + len])` for every entry
 //! id and query row. `rows` is `[n][len]`; `len` is a multiple of 8. `isa` is already resolved.
 template <class S>
-void dot_entries(score_isa isa, const S* base, std::size_t entry_stride,
+void dot_entries(cpu_isa isa, const S* base, std::size_t entry_stride,
                  std::span<const std::uint32_t> ids, const float* rows, std::uint32_t n,
                  std::uint32_t len, float* out) {
-#if OASISKV_SCORE_X86
-  if (isa == score_isa::avx512) {
+#if OASISKV_X86_KERNELS
+  if (isa == cpu_isa::avx512) {
     dot_entries_avx512(base, entry_stride, ids, rows, n, len, out);
     return;
   }
-  if (isa == score_isa::avx2) {
+  if (isa == cpu_isa::avx2) {
     dot_entries_avx2(base, entry_stride, ids, rows, n, len, out);
     return;
   }
@@ -663,14 +596,14 @@ struct entry_id_stats {
   std::uint32_t steps = 0;
 };
 
-#if OASISKV_SCORE_X86
+#if OASISKV_X86_KERNELS
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 // One pass, 16 ids at a time (each beside its predecessor, loaded one id back).
-OASISKV_SCORE_TARGET_AVX512 inline entry_id_stats entry_id_stats_avx512(
+OASISKV_TARGET_AVX512 inline entry_id_stats entry_id_stats_avx512(
     std::span<const std::uint32_t> ids) {
   const std::uint32_t* p = ids.data();
   const std::size_t n = ids.size();
@@ -711,8 +644,8 @@ inline entry_id_stats entry_id_stats_scalar(std::span<const std::uint32_t> ids) 
 
 //! @brief `entry_id_stats` of `ids` (not empty).
 inline entry_id_stats entry_id_stats_of(std::span<const std::uint32_t> ids) {
-#if OASISKV_SCORE_X86
-  static const bool avx512 = score_isa_supported(score_isa::avx512);
+#if OASISKV_X86_KERNELS
+  static const bool avx512 = isa_supported(cpu_isa::avx512);
   if (avx512) {
     return entry_id_stats_avx512(ids);
   }
@@ -720,5 +653,4 @@ inline entry_id_stats entry_id_stats_of(std::span<const std::uint32_t> ids) {
   return entry_id_stats_scalar(ids);
 }
 
-}  // namespace detail
-}  // namespace oasiskv
+}  // namespace oasiskv::detail

@@ -12,9 +12,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/attention/cpu/isa.hpp"
 #include "oasiskv/attention/cpu/row_state.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/isa.hpp"
 
 #if OASISKV_X86_KERNELS
 

@@ -22,10 +22,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "oasiskv/attention/cpu/isa.hpp"
 #include "oasiskv/attention/cpu/range.hpp"
 #include "oasiskv/attention/cpu/row_state.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/isa.hpp"
 
 #if OASISKV_X86_KERNELS
 
