@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/concepts/block_summary.hpp"
 #include "oasiskv/concepts/growable_summary.hpp"
 #include "oasiskv/concepts/loadable_summary.hpp"
 #include "oasiskv/concepts/policy_bundle.hpp"
@@ -961,7 +962,7 @@ class tiered_kv_cache {
   // store grows by at least a quarter for it, up to one entry per slot), else at the start of
   // any free stretch. Otherwise a slot's entry is the slot itself.
 
-  static constexpr std::uint32_t entry_run = 16;  // minmax_tile_lanes, qminmax_lanes
+  static constexpr std::uint32_t entry_run = summary_tile_entries_v<summary_type>;
 
   std::uint32_t entry(slot_id s) const noexcept {
     if constexpr (compact_summaries) {

@@ -40,6 +40,14 @@ static_assert(!transfer_engine<cpu_copy_engine, archetype::device_tier, host_tie
 // block_summary, importance_predictor
 static_assert(block_summary<archetype::summary>);
 static_assert(!block_summary<archetype::summary_without_update>);
+// The tile the facade groups a layer's entries by: the summary's own, else 16.
+struct summary_with_tiles_of_4 : archetype::summary {
+  static constexpr std::uint32_t entries_per_tile = 4;
+};
+static_assert(summary_tile_entries_v<archetype::summary> == 16);
+static_assert(summary_tile_entries_v<summary_with_tiles_of_4> == 4);
+static_assert(summary_tile_entries_v<minmax_summary<f16>> == detail::minmax_tile_lanes);
+static_assert(summary_tile_entries_v<quantized_minmax_summary> == detail::qminmax_lanes);
 static_assert(importance_predictor<archetype::predictor>);
 static_assert(importance_predictor<archetype::summaryless_predictor>);
 static_assert(!importance_predictor<archetype::predictor_over_a_non_summary>);

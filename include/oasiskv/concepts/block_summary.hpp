@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 
 #include "oasiskv/core/layout.hpp"
 
@@ -42,5 +43,21 @@ concept block_summary = std::constructible_from<S, const kv_layout&, std::uint32
   { cs.score(h, entries, q, n, out) } -> std::same_as<void>;
   { cs.bytes_per_block() } -> std::same_as<std::size_t>;
 };
+
+//! @brief How many consecutive entries of `S` one pass over a tile scores: `S::entries_per_tile`
+//! where `S` names it, else 16 (one AVX-512 vector of f32 lanes). The facade keeps a layer's
+//! consecutive blocks in consecutive entries of one such tile, so scoring a sequence reads each
+//! tile once. A positive constant.
+template <class S>
+struct summary_tile_entries : std::integral_constant<std::uint32_t, 16> {};
+template <class S>
+requires requires {
+  { S::entries_per_tile } -> std::convertible_to<std::uint32_t>;
+}
+struct summary_tile_entries<S> : std::integral_constant<std::uint32_t, S::entries_per_tile> {
+  static_assert(S::entries_per_tile > 0, "oasiskv: a summary's entries_per_tile must be positive");
+};
+template <class S>
+inline constexpr std::uint32_t summary_tile_entries_v = summary_tile_entries<S>::value;
 
 }  // namespace oasiskv

@@ -48,6 +48,8 @@ class minmax_summary {
 
  public:
   using storage_type = Storage;
+  //! @brief Entries one pass over a tile scores (`summary_tile_entries`).
+  static constexpr std::uint32_t entries_per_tile = lanes;
 
   minmax_summary(const kv_layout& layout, std::uint32_t capacity, cpu_isa isa = cpu_isa::best)
       : layout_(layout), capacity_(capacity), isa_(resolve(isa)) {

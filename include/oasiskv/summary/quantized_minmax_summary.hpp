@@ -192,6 +192,9 @@ class quantized_minmax_summary {
   static constexpr int min_exponent = -126;
 
  public:
+  //! @brief Entries one pass over a tile scores (`summary_tile_entries`).
+  static constexpr std::uint32_t entries_per_tile = lanes;
+
   quantized_minmax_summary(const kv_layout& layout, std::uint32_t capacity,
                            cpu_isa isa = cpu_isa::best)
       : layout_(layout), capacity_(capacity) {
