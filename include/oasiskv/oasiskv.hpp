@@ -15,6 +15,7 @@
 
 #include "oasiskv/concepts/block_allocator.hpp"
 #include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/concepts/eviction_policy.hpp"
 #include "oasiskv/concepts/growable_summary.hpp"
 #include "oasiskv/concepts/importance_predictor.hpp"
 #include "oasiskv/concepts/loadable_summary.hpp"

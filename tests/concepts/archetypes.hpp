@@ -98,6 +98,23 @@ struct engine_without_ticket_type {
   void wait(int);
 };
 
+struct eviction {
+  explicit eviction(std::uint32_t);
+  void insert(slot_id, std::uint64_t);
+  void touch(slot_id, std::uint64_t);
+  void erase(slot_id);
+  template <class Pred>
+  std::optional<slot_id> victim(Pred&&) const;
+};
+struct eviction_returning_raw_slot {
+  explicit eviction_returning_raw_slot(std::uint32_t);
+  void insert(slot_id, std::uint64_t);
+  void touch(slot_id, std::uint64_t);
+  void erase(slot_id);
+  template <class Pred>
+  slot_id victim(Pred&&) const;
+};
+
 struct summary {
   summary(const kv_layout&, std::uint32_t);
   std::uint32_t capacity() const;

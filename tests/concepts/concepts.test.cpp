@@ -53,6 +53,11 @@ static_assert(importance_predictor<archetype::summaryless_predictor>);
 static_assert(!importance_predictor<archetype::predictor_over_a_non_summary>);
 static_assert(!importance_predictor<archetype::predictor_without_timing>);
 
+// eviction_policy
+static_assert(eviction_policy<archetype::eviction>);
+static_assert(!eviction_policy<archetype::eviction_returning_raw_slot>);
+static_assert(eviction_policy<lru_eviction> && eviction_policy<score_eviction>);
+
 // prefetch_scheduler
 static_assert(prefetch_scheduler<archetype::scheduler>);
 static_assert(!prefetch_scheduler<archetype::scheduler_without_release>);

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -120,6 +121,64 @@ TEST_CASE("lookahead prefetch turns misses into hits; on-demand does not") {
   CHECK(st.misses == 3);
   CHECK(st.bytes_fetched == 3 * small.block_bytes());
   od.release(out);
+}
+
+// The eviction_policy contract, against a set model of the tracked slots: every model runs it.
+TEST_CASE_TEMPLATE("eviction_policy conformance: victims are tracked, allowed and stable", E,
+                   lru_eviction, score_eviction) {
+  static_assert(eviction_policy<E>);
+  constexpr std::uint32_t slots = 64;
+  E e(slots);
+  std::set<slot_id> tracked;
+  auto any = [](slot_id) {
+    return true;
+  };
+  CHECK_FALSE(e.victim(any).has_value());
+
+  std::mt19937 rng(7);
+  std::uint64_t step = 0;
+  for (int round = 0; round < 2000; ++round) {
+    const auto s = static_cast<slot_id>(rng() % slots);
+    switch (rng() % 4) {
+      case 0:
+      case 1:
+        if (tracked.insert(s).second) {
+          e.insert(s, ++step);
+        } else {
+          e.touch(s, ++step);
+        }
+        break;
+      case 2:
+        if (tracked.erase(s) == 1) {
+          e.erase(s);
+        }
+        break;
+      default: {
+        // A random refusal set: the victim is tracked and allowed, and asking twice agrees.
+        const std::uint64_t refused = (std::uint64_t{rng()} << 32) | rng();
+        auto allowed = [&](slot_id c) {
+          return ((refused >> c) & 1) == 0;
+        };
+        const std::optional<slot_id> v = e.victim(allowed);
+        const bool exists =
+            std::any_of(tracked.begin(), tracked.end(), [&](slot_id c) { return allowed(c); });
+        REQUIRE(v.has_value() == exists);
+        if (v) {
+          CHECK(tracked.count(*v) == 1);
+          CHECK(allowed(*v));
+          CHECK(e.victim(allowed) == v);
+        }
+      }
+    }
+  }
+  // Draining by victims returns every tracked slot exactly once.
+  std::set<slot_id> drained;
+  while (auto v = e.victim(any)) {
+    REQUIRE(tracked.count(*v) == 1);
+    REQUIRE(drained.insert(*v).second);
+    e.erase(*v);
+  }
+  CHECK(drained == tracked);
 }
 
 TEST_CASE("eviction: LRU order, the per-prefetch cap, pinned and wanted blocks stay") {

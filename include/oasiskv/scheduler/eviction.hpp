@@ -10,6 +10,7 @@
 #include <optional>
 #include <vector>
 
+#include "oasiskv/concepts/eviction_policy.hpp"
 #include "oasiskv/core/ids.hpp"
 
 namespace oasiskv {
@@ -120,5 +121,8 @@ class score_eviction {
   double decay_;
   std::uint64_t now_ = 0;
 };
+
+static_assert(eviction_policy<lru_eviction>);
+static_assert(eviction_policy<score_eviction>);
 
 }  // namespace oasiskv

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "oasiskv/concepts/block_allocator.hpp"
+#include "oasiskv/concepts/eviction_policy.hpp"
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
 #include "oasiskv/concepts/tier_backend.hpp"
 #include "oasiskv/concepts/transfer_engine.hpp"
@@ -54,6 +55,9 @@ template <class Fast, class Slow, class Engine, class Allocator, class Eviction,
 requires tier_backend<Fast> && tier_backend<Slow> && transfer_engine<Engine, Slow, Fast> &&
     block_allocator<Allocator> && std::constructible_from<Allocator, std::size_t>
 class staging_scheduler {
+  static_assert(eviction_policy<Eviction>,
+                "oasiskv: staging_scheduler's Eviction does not model oasiskv::eviction_policy");
+
  public:
   //! @brief When this scheduler moves blocks; the cache stages every new block up front for
   //! `all_resident`.
