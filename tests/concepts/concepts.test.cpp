@@ -58,6 +58,20 @@ static_assert(eviction_policy<archetype::eviction>);
 static_assert(!eviction_policy<archetype::eviction_returning_raw_slot>);
 static_assert(eviction_policy<lru_eviction> && eviction_policy<score_eviction>);
 
+// score_aggregation, mass_aggregation, selection_granularity, log_mass_summary
+struct aggregation_without_combine {};
+struct granularity_not_constant {
+  static inline bool per_kv_head = false;
+};
+static_assert(score_aggregation<max_aggregation> && !mass_aggregation<max_aggregation>);
+static_assert(mass_aggregation<softmax_mass_aggregation>);
+static_assert(!score_aggregation<aggregation_without_combine>);
+static_assert(selection_granularity<shared_selection> &&
+              selection_granularity<per_kv_head_selection>);
+static_assert(!selection_granularity<granularity_not_constant>);
+static_assert(log_mass_summary<int8_key_summary> && !log_mass_summary<minmax_summary<f16>>);
+static_assert(!log_mass_summary<archetype::summary>);
+
 // prefetch_scheduler
 static_assert(prefetch_scheduler<archetype::scheduler>);
 static_assert(!prefetch_scheduler<archetype::scheduler_without_release>);

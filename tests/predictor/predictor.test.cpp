@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "oasiskv/concepts/importance_predictor.hpp"
+#include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/predictor/oracle_predictor.hpp"
 #include "oasiskv/predictor/recency_predictor.hpp"

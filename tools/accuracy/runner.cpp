@@ -13,6 +13,7 @@
 #include "common.hpp"
 #include "draft.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "sampler.hpp"
 

@@ -10,6 +10,10 @@
 
 namespace oasiskv {
 
+//! @brief The summary type a predictor names: a `block_summary` or `no_summary`.
+template <class S>
+concept predictor_summary = block_summary<S> || std::same_as<S, no_summary>;
+
 //! @brief Scores the blocks of one (sequence, layer) and selects those the next step should find
 //! staged.
 //!
@@ -24,10 +28,6 @@ namespace oasiskv {
 //!   A budget below `sink_blocks + recent_blocks`, or queries whose shape does not match
 //!   `in.layout`, throw `oasiskv::error`. O(blocks x (scoring cost)) plus O(blocks) for the top-k
 //!   (a selection, not a sort).
-//! @brief The summary type a predictor names: a `block_summary` or `no_summary`.
-template <class S>
-concept predictor_summary = block_summary<S> || std::same_as<S, no_summary>;
-
 template <class P>
 concept importance_predictor = predictor_summary<typename P::summary_type> &&
     std::convertible_to<decltype(P::timing), prediction_timing> &&

@@ -13,20 +13,11 @@
 #include <span>
 #include <vector>
 
+#include "oasiskv/concepts/log_mass_summary.hpp"
+#include "oasiskv/concepts/score_aggregation.hpp"
 #include "oasiskv/summary/score_kernels.hpp"
 
 namespace oasiskv {
-
-//! @brief What an aggregation sees of one KV head's raw scores `raw[row * num_blocks + block]`
-//! (row-major: each row's scores over every block are contiguous). Row `r` is q head
-//! `r % group_size` of the group, of lookahead token `r / group_size`.
-struct aggregation_context {
-  std::uint32_t num_blocks = 0;
-  std::uint32_t num_rows = 0;
-  std::uint32_t group_size = 1;
-  float scale = 1.0f;              //!< 1/sqrt(head_dim): the attention logit scale
-  const float* weights = nullptr;  //!< [num_rows / group_size] token confidence, or null (all 1)
-};
 
 //! @brief The highest score over every row, and over KV heads for a shared selection: a block
 //! is kept if any draft of any head wants it. Right for one lookahead token; with many drafts
@@ -113,30 +104,6 @@ struct confidence_weighted_aggregation {
   detail::softmax_mass mass_;
 };
 
-//! @brief An aggregation that folds per-row softmax mass over blocks (it declares
-//! `static constexpr bool sums_softmax_mass = true`): `softmax_mass_aggregation`,
-//! `confidence_weighted_aggregation`.
-template <class A>
-concept mass_aggregation = requires {
-  requires A::sums_softmax_mass;
-};
-
-//! @brief A `block_summary` that also provides, as an optional expression,
-//! `cs.score_log_mass(h, entries, q, n, scale, out)`: `out[i * n + r]` =
-//! `log(sum_t exp(scale * dot(q_r, k_t))) / scale` over the keys `k_t` (as the summary holds
-//! them) of KV head `h` in entry `entries[i]`, at the attention logit scale `scale`
-//! (`aggregation_context::scale`); `-inf` for an empty entry. It is in the units of `score` (a
-//! soft maximum of the same dot products), so the predictor passes it to a `mass_aggregation`
-//! in place of `score`: the softmax over blocks of `scale * out` is then each block's exact
-//! share of the row's attention, where the max (a bound or not) only estimates it, at best, as
-//! if one token took the block's whole mass. Models: `quantized_key_summary<Bits>`.
-template <class S>
-concept log_mass_summary = requires(const S& cs, std::uint32_t h,
-                                    std::span<const std::uint32_t> entries, const float* q,
-                                    std::uint32_t n, float scale, float* out) {
-  { cs.score_log_mass(h, entries, q, n, scale, out) } -> std::same_as<void>;
-};
-
 //! @brief One selection per (sequence, layer), shared by every KV head: scores are aggregated
 //! over KV heads too. One block table per sequence; the fewest bytes to fetch.
 struct shared_selection {
@@ -148,5 +115,11 @@ struct shared_selection {
 struct per_kv_head_selection {
   static constexpr bool per_kv_head = true;
 };
+
+static_assert(score_aggregation<max_aggregation> && !mass_aggregation<max_aggregation>);
+static_assert(mass_aggregation<softmax_mass_aggregation>);
+static_assert(mass_aggregation<confidence_weighted_aggregation>);
+static_assert(selection_granularity<shared_selection>);
+static_assert(selection_granularity<per_kv_head_selection>);
 
 }  // namespace oasiskv

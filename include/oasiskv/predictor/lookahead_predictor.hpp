@@ -1,118 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief `lookahead_predictor` (the OasisKV one: drafted tokens' queries, a step early) and
-//! `current_query_predictor` (Quest: the true query at attention time). Both score every block
-//! from its summary and keep the top blocks under the budget.
+//! @brief `lookahead_predictor`, the OasisKV predictor: the drafted tokens' queries score every
+//! block from its summary a step early, and the top blocks under the budget are prefetched.
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-#include <span>
-#include <vector>
-
 #include "oasiskv/concepts/block_summary.hpp"
-#include "oasiskv/concepts/row_scoring_summary.hpp"
-#include "oasiskv/core/error.hpp"
+#include "oasiskv/concepts/score_aggregation.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/predictor/aggregation.hpp"
-#include "oasiskv/predictor/block_selector.hpp"
+#include "oasiskv/predictor/summary_scoring_predictor.hpp"
 
 namespace oasiskv {
-namespace detail {
-
-//! @brief Scores the blocks of one (sequence, layer) from `Summary` against the query rows of
-//! each KV head's GQA group, folds them with `Aggregation` and selects per `Granularity`. Owns
-//! its scratch: steady-state `select` does not allocate (the summary's scratch is per thread).
-template <block_summary Summary, class Aggregation, class Granularity>
-class summary_scoring_predictor {
- public:
-  using summary_type = Summary;
-  using aggregation_type = Aggregation;
-  using granularity_type = Granularity;
-
-  void select(const prediction_input<Summary>& in, const selection_params& sp, selection& out) {
-    const kv_layout& l = in.layout;
-    check_prediction_basics(l, in.seq_len, sp);
-    check_queries(in.queries);
-    const std::uint32_t blocks = l.blocks_for(in.seq_len);
-    if (in.summaries == nullptr) [[unlikely]] {
-      raise(errc::invalid_argument, "prediction_input.summaries is null");
-    }
-    if (in.summary_ids.size() != blocks) [[unlikely]] {
-      raise(errc::invalid_argument, "prediction_input.summary_ids.size() = ", in.summary_ids.size(),
-            " but seq_len = ", in.seq_len, " needs ", blocks, " blocks");
-    }
-    const std::uint32_t capacity = in.summaries->capacity();
-    // The largest id first (one vector pass); the offending index only on failure.
-    const std::uint32_t top = blocks == 0 ? 0 : detail::entry_id_stats_of(in.summary_ids).top;
-    if (top >= capacity) [[unlikely]] {
-      for (std::uint32_t i = 0; i < blocks; ++i) {
-        if (in.summary_ids[i] >= capacity) {
-          raise(errc::out_of_range, "prediction_input.summary_ids[", i, "] = ", in.summary_ids[i],
-                " is beyond the summary's capacity = ", capacity);
-        }
-      }
-    }
-
-    const std::uint32_t group = l.group_size();
-    const std::uint32_t rows = in.queries.num_tokens * group;
-    const std::uint32_t tables = Granularity::per_kv_head ? l.num_kv_heads : 1;
-    raw_.resize(std::size_t{blocks} * rows);
-    acc_.resize(std::size_t{tables} * blocks);
-    const aggregation_context ctx{
-        blocks, rows, group, 1.0f / std::sqrt(static_cast<float>(l.head_dim)), in.queries.weights};
-    for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
-      gather_group_rows(l, in.queries, h, rows_);
-      score_head(*in.summaries, h, in.summary_ids, rows, ctx.scale);
-      const std::uint32_t t = Granularity::per_kv_head ? h : 0;
-      aggregation_.combine(ctx, raw_.data(), acc_.data() + std::size_t{t} * blocks,
-                           Granularity::per_kv_head || h == 0);
-    }
-    out.tables = tables;
-    out.blocks.clear();
-    out.offsets.resize(tables + 1);
-    out.offsets[0] = 0;
-    for (std::uint32_t t = 0; t < tables; ++t) {
-      selector_.append_table(acc_.data() + std::size_t{t} * blocks, blocks, sp, out.blocks);
-      out.offsets[t + 1] = static_cast<std::uint32_t>(out.blocks.size());
-    }
-  }
-
- private:
-  // KV head h's scores of every block into raw_, [rows][blocks] (the aggregations' layout).
-  void score_head(const Summary& s, std::uint32_t h, std::span<const std::uint32_t> ids,
-                  std::uint32_t rows, float scale) {
-    if constexpr (mass_aggregation<Aggregation> && log_mass_summary<Summary>) {
-      // The block's exact softmax mass (in the summary's domain) rather than its max.
-      by_entry_.resize(raw_.size());
-      s.score_log_mass(h, ids, rows_.data(), rows, scale, by_entry_.data());
-      transpose(ids.size(), rows);
-    } else if constexpr (row_scoring_summary<Summary>) {
-      s.score_rows(h, ids, rows_.data(), rows, raw_.data());
-    } else {
-      by_entry_.resize(raw_.size());
-      s.score(h, ids, rows_.data(), rows, by_entry_.data());
-      transpose(ids.size(), rows);
-    }
-  }
-
-  void transpose(std::size_t blocks, std::uint32_t rows) {
-    for (std::size_t i = 0; i < blocks; ++i) {
-      for (std::uint32_t r = 0; r < rows; ++r) {
-        raw_[r * blocks + i] = by_entry_[i * rows + r];
-      }
-    }
-  }
-
-  Aggregation aggregation_{};
-  block_selector selector_;
-  std::vector<float> rows_;      // [tokens][group][head_dim] of one KV head
-  std::vector<float> raw_;       // [rows][blocks] of one KV head
-  std::vector<float> by_entry_;  // [blocks][rows]: `score`'s layout, for other summaries
-  std::vector<float> acc_;       // [tables][blocks]
-};
-
-}  // namespace detail
 
 //! @brief The OasisKV predictor: scores every block from `Summary` against the queries of the
 //! lookahead (drafted) tokens, 1 to 16 of them, and of every q head of each KV head's GQA group;
@@ -126,23 +24,12 @@ class summary_scoring_predictor {
 //! Its queries exist a step before the step it predicts, so its selection is prefetched.
 //! Cost per call: one pass over the summaries of the sequence, `O(blocks x rows x head_dim)`,
 //! and `O(blocks)` per table for the top-k.
-template <block_summary Summary, class Aggregation = softmax_mass_aggregation,
-          class Granularity = shared_selection>
+template <block_summary Summary, score_aggregation Aggregation = softmax_mass_aggregation,
+          selection_granularity Granularity = shared_selection>
 class lookahead_predictor
     : public detail::summary_scoring_predictor<Summary, Aggregation, Granularity> {
  public:
   static constexpr prediction_timing timing = prediction_timing::lookahead;
-};
-
-//! @brief Quest's predictor: the true query at attention time (one token; all of a
-//! verification's tokens are accepted too), bounds aggregated by max. Selects the same blocks
-//! as `lookahead_predictor` given the same queries, but only once the query exists, so its
-//! blocks are fetched on demand: the baseline the lookahead is measured against.
-template <block_summary Summary, class Granularity = shared_selection>
-class current_query_predictor
-    : public detail::summary_scoring_predictor<Summary, max_aggregation, Granularity> {
- public:
-  static constexpr prediction_timing timing = prediction_timing::at_attention;
 };
 
 }  // namespace oasiskv
