@@ -19,7 +19,7 @@
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/runtime.cuh"
 #include "oasiskv/cuda/detail/select_kernels.cuh"
-// score_kernels.hpp (via minmax_summary.hpp) uses `#pragma GCC unroll`, which g++ knows and
+// The summary/cpu/ kernels (via minmax_summary.hpp) use `#pragma GCC unroll`, which g++ knows and
 // nvcc's front end reports (1675) as unrecognised; silence it for that header only.
 #pragma nv_diag_suppress 1675
 #include "oasiskv/summary/minmax_summary.hpp"

@@ -15,7 +15,7 @@
 
 #include "oasiskv/concepts/log_mass_summary.hpp"
 #include "oasiskv/concepts/score_aggregation.hpp"
-#include "oasiskv/summary/score_kernels.hpp"
+#include "oasiskv/summary/cpu/simd_math.hpp"
 
 namespace oasiskv {
 

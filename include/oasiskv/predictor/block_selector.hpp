@@ -13,8 +13,10 @@
 
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
+#include "oasiskv/core/isa.hpp"
 #include "oasiskv/core/selection.hpp"
-#include "oasiskv/summary/score_kernels.hpp"
+#include "oasiskv/predictor/select_kernels.hpp"
+#include "oasiskv/summary/cpu/simd_math.hpp"
 
 namespace oasiskv {
 
@@ -56,15 +58,7 @@ class block_selector {
     // budget >= sinks + recent (checked by the caller) and budget < n, so 0 <= k < candidates.
     const std::uint32_t k = sp.budget_blocks - sinks - recent;
     if (k > 0) {
-#if OASISKV_X86_KERNELS
-      if (isa_ == cpu_isa::avx512) {
-        keep_top_avx512(scores + sinks, end - sinks, k, sinks, out);
-      } else {
-        keep_top_scalar(scores + sinks, end - sinks, k, sinks, out);
-      }
-#else
-      keep_top_scalar(scores + sinks, end - sinks, k, sinks, out);
-#endif
+      detail::keep_top(isa_, scores + sinks, end - sinks, k, sinks, ranked_, pool_, out);
     }
     for (std::uint32_t i = end; i < n; ++i) {
       out.push_back(i);
@@ -72,150 +66,6 @@ class block_selector {
   }
 
  private:
-  static constexpr float inf = std::numeric_limits<float>::infinity();
-
-  // Appends base + i for the k highest cand[i] (i < m, 0 < k < m), ascending, ties to the
-  // lower index, NaN as +inf. Every loop is branch-free (selects and counters, no
-  // data-dependent jumps), so a selection costs about the same whatever the scores.
-  void keep_top_scalar(const float* cand, std::uint32_t m, std::uint32_t k, std::uint32_t base,
-                       std::vector<std::uint32_t>& out) {
-    ranked_.resize(m);
-    float* ranked = ranked_.data();
-    for (std::uint32_t i = 0; i < m; ++i) {
-      const float s = cand[i];
-      ranked[i] = s == s ? s : inf;
-    }
-    // When k is a small share of the candidates, the least of k chunk maxima is a cheap lower
-    // bound of the k-th highest score (each chunk holds a score at least that high): only the
-    // scores at or above it go to nth_element.
-    float* pool = ranked;
-    std::uint32_t pooled = m;
-    if (std::uint64_t{k} * 8 <= m) {
-      const std::uint32_t chunk = m / k;
-      float lower = inf;
-      for (std::uint32_t c = 0; c < k; ++c) {
-        float top = -inf;
-        for (std::uint32_t i = c * chunk; i < (c + 1) * chunk; ++i) {
-          top = ranked[i] > top ? ranked[i] : top;
-        }
-        lower = top < lower ? top : lower;
-      }
-      pool_.resize(m);  // allocates only when the sequence has grown
-      pool = pool_.data();
-      pooled = 0;
-      for (std::uint32_t i = 0; i < m; ++i) {
-        pool[pooled] = ranked[i];
-        pooled += ranked[i] >= lower ? 1u : 0u;
-      }
-    }
-    std::nth_element(pool, pool + (k - 1), pool + pooled, std::greater<float>());
-    const float threshold = pool[k - 1];
-    std::uint32_t above = 0;
-    for (std::uint32_t i = 0; i < k - 1; ++i) {
-      above += pool[i] > threshold ? 1u : 0u;
-    }
-    // Every block above the threshold, and the first `k - above` equal to it.
-    std::uint32_t ties = k - above;
-    const std::size_t at = out.size();
-    out.resize(at + m);  // room for any candidate; trimmed to the k kept
-    std::uint32_t* dst = out.data() + at;
-    std::uint32_t kept = 0;
-    for (std::uint32_t i = 0; i < m; ++i) {  // from `cand`: nth_element may reorder ranked
-      const float v = cand[i];
-      const float s = v == v ? v : inf;
-      const std::uint32_t eq = s == threshold ? 1u : 0u;
-      const std::uint32_t keep = (s > threshold ? 1u : 0u) | (eq & (ties > 0 ? 1u : 0u));
-      ties -= eq & keep;
-      dst[kept] = base + i;
-      kept += keep;
-    }
-    out.resize(at + kept);
-  }
-
-#if OASISKV_X86_KERNELS
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push  // gcc 12's intrinsic headers trip these under -O2 (as in the kernels)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-  // 16 candidates from i (fewer at the tail: `valid`), NaN as +inf; lanes not valid are -inf.
-  OASISKV_TARGET_AVX512 static __m512 load_ranked(const float* cand, std::uint32_t i,
-                                                  __mmask16 valid) {
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-inf), valid, cand + i);
-    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_ps(inf));
-  }
-
-  // keep_top_scalar with 16 candidates per step. The lower bound of the k-th highest score is
-  // the least maximum of 16 x c disjoint groups (c chunks of s vectors; a group is one lane of
-  // a chunk), c the fewest giving at least k groups. The pool is built by compress-stores and
-  // the kept indices by compressing an index vector.
-  OASISKV_TARGET_AVX512 void keep_top_avx512(const float* cand, std::uint32_t m, std::uint32_t k,
-                                             std::uint32_t base, std::vector<std::uint32_t>& out) {
-    __m512 lower = _mm512_set1_ps(-inf);
-    if (std::uint64_t{k} * 8 <= m) {
-      const std::uint32_t chunks = (k + 15) / 16;
-      const std::uint32_t s = m / (16 * chunks);  // vectors per chunk
-      if (s > 0) {
-        __m512 least = _mm512_set1_ps(inf);
-        for (std::uint32_t c = 0; c < chunks; ++c) {
-          __m512 top = _mm512_set1_ps(-inf);
-          for (std::uint32_t v = 0; v < s; ++v) {
-            top = _mm512_max_ps(top, load_ranked(cand, (c * s + v) * 16, 0xffff));
-          }
-          least = _mm512_min_ps(least, top);
-        }
-        lower = _mm512_set1_ps(_mm512_reduce_min_ps(least));
-      }
-    }
-    pool_.resize(std::size_t{m} + 16);  // a full vector may be stored at the last position
-    float* pool = pool_.data();
-    std::uint32_t pooled = 0;
-    for (std::uint32_t i = 0; i < m; i += 16) {
-      const __mmask16 valid = detail::tail16(i, m);
-      const __m512 v = load_ranked(cand, i, valid);
-      const __mmask16 in = _mm512_mask_cmp_ps_mask(valid, v, lower, _CMP_GE_OQ);
-      _mm512_storeu_ps(pool + pooled, _mm512_maskz_compress_ps(in, v));
-      pooled += static_cast<std::uint32_t>(__builtin_popcount(in));
-    }
-    std::nth_element(pool, pool + (k - 1), pool + pooled, std::greater<float>());
-    const float threshold = pool[k - 1];
-    const __m512 thr = _mm512_set1_ps(threshold);
-    std::uint32_t above = 0;
-    for (std::uint32_t i = 0; i + 1 < k; i += 16) {
-      const __mmask16 valid = detail::tail16(i, k - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(valid, pool + i);
-      above += static_cast<std::uint32_t>(
-          __builtin_popcount(_mm512_mask_cmp_ps_mask(valid, v, thr, _CMP_GT_OQ)));
-    }
-    // Every block above the threshold, and the first `k - above` equal to it.
-    std::uint32_t ties = k - above;
-    const std::size_t at = out.size();
-    out.resize(at + m + 16);  // room for any candidate and a full last vector; trimmed
-    std::uint32_t* dst = out.data() + at;
-    std::uint32_t kept = 0;
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (std::uint32_t i = 0; i < m; i += 16) {
-      const __mmask16 valid = detail::tail16(i, m);
-      const __m512 v = load_ranked(cand, i, valid);
-      __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, v, thr, _CMP_GT_OQ);
-      unsigned eq = _mm512_mask_cmp_ps_mask(valid, v, thr, _CMP_EQ_OQ);
-      while (eq != 0 && ties > 0) {  // the lowest lanes equal to the threshold, while any remain
-        const unsigned lowest = eq & (0u - eq);
-        keep = static_cast<__mmask16>(keep | lowest);
-        eq ^= lowest;
-        --ties;
-      }
-      const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(base + i)));
-      _mm512_storeu_si512(dst + kept, _mm512_maskz_compress_epi32(keep, idx));
-      kept += static_cast<std::uint32_t>(__builtin_popcount(keep));
-    }
-    out.resize(at + kept);
-  }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
-
   cpu_isa isa_ = resolve_isa(cpu_isa::best);
   std::vector<float> ranked_;  // the candidates' scores, NaN as +inf (scalar path); reused
   std::vector<float> pool_;    // those at or above the lower bound of the threshold

@@ -13,7 +13,7 @@
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
-#include "oasiskv/summary/score_kernels.hpp"
+#include "oasiskv/summary/cpu/simd_math.hpp"
 #include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {

@@ -16,8 +16,8 @@
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
+#include "oasiskv/summary/cpu/simd_math.hpp"
 #include "oasiskv/summary/minmax_kernels.hpp"
-#include "oasiskv/summary/score_kernels.hpp"
 #include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {

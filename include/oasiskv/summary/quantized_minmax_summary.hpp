@@ -15,150 +15,13 @@
 
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
+#include "oasiskv/core/isa.hpp"
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/summary/minmax_kernels.hpp"
-#include "oasiskv/summary/score_kernels.hpp"
+#include "oasiskv/summary/quantized_kernels.hpp"
 #include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {
-namespace detail {
-
-// Tiles of 16 entries: [dimension pair p][lane][max_2p, -min_2p, max_2p+1, -min_2p+1] int8, the
-// operand shape of vpdpbusd: one instruction multiplies both bounds of two dimensions of 16
-// entries by the matching query bytes (q+ codes, |q-| codes) and sums the four products.
-inline constexpr std::uint32_t qminmax_lanes = 16;
-
-inline std::size_t qminmax_at(std::uint32_t x, std::uint32_t which, std::uint32_t lane) noexcept {
-  return (std::size_t{x / 2} * qminmax_lanes + lane) * 4 + (x % 2) * 2 + which;
-}
-
-// The integer dot products of R query rows (`qw`, [R][d / 2] words of 4 u8) with a tile.
-inline void qminmax_lanes_scalar(const std::int8_t* tile, std::uint32_t d, std::uint32_t lane,
-                                 const std::uint32_t* qw, std::uint32_t n, std::int32_t* acc) {
-  for (std::uint32_t r = 0; r < n; ++r) {
-    std::int32_t a = 0;
-    for (std::uint32_t p = 0; p < d / 2; ++p) {
-      const std::uint32_t w = qw[std::size_t{r} * (d / 2) + p];
-      const std::int8_t* c = tile + (std::size_t{p} * qminmax_lanes + lane) * 4;
-      for (std::uint32_t k = 0; k < 4; ++k) {
-        a += static_cast<std::int32_t>((w >> (8 * k)) & 0xffu) * c[k];
-      }
-    }
-    acc[r] = a;
-  }
-}
-
-inline void qminmax_run_scalar(const std::int8_t* tile, const float* scale, const float* norm,
-                               const float* bias, std::uint32_t d, std::uint32_t lane0,
-                               std::uint32_t count, const std::uint32_t* qw, const float* t,
-                               const float* slack, std::uint32_t n, const score_sink& out,
-                               std::size_t i0) {
-  for (std::uint32_t r0 = 0; r0 < n; r0 += 8) {
-    const std::uint32_t rows = n - r0 < 8 ? n - r0 : 8;
-    for (std::uint32_t k = 0; k < count; ++k) {
-      std::int32_t acc[8];
-      qminmax_lanes_scalar(tile, d, lane0 + k, qw + std::size_t{r0} * (d / 2), rows, acc);
-      for (std::uint32_t r = 0; r < rows; ++r) {
-        out.at(i0 + k, r0 + r) = (static_cast<float>(acc[r]) * (scale[lane0 + k] * t[r0 + r]) +
-                                  norm[lane0 + k] * slack[r0 + r]) +
-                                 bias[lane0 + k];
-      }
-    }
-  }
-}
-
-#if OASISKV_X86_KERNELS
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push  // gcc 12's unmasked AVX-512 intrinsics: see score_kernels.hpp
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-
-template <int R>
-OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile, std::uint32_t d,
-                                                        const std::uint32_t* qw,
-                                                        std::int32_t* acc_out) {
-  __m512i acc[2][R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    acc[0][r] = _mm512_setzero_si512();
-    acc[1][r] = _mm512_setzero_si512();
-  }
-  const std::uint32_t pairs = d / 2;  // even: head_dim is a multiple of 8
-  for (std::uint32_t p = 0; p < pairs; p += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(tile + std::size_t{p + 8} * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(tile + std::size_t{p + 9} * 64), _MM_HINT_T0);
-#pragma GCC unroll 2
-    for (std::uint32_t k = 0; k < 2; ++k) {
-      const __m512i c = _mm512_loadu_si512(tile + std::size_t{p + k} * 64);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512i q = _mm512_set1_epi32(
-            static_cast<int>(qw[std::size_t{pairs} * static_cast<std::size_t>(r) + p + k]));
-        acc[k][r] = _mm512_dpbusd_epi32(acc[k][r], q, c);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_si512(acc_out + 16 * r, _mm512_add_epi32(acc[0][r], acc[1][r]));
-  }
-}
-
-// Lanes [lane0, lane0 + count) of one tile, every row: entry i0 + k, row r of `out` =
-// dot * (scale * t[r]) + slack[r] * norm + bias, the epilogue in vectors of 16 entries.
-OASISKV_TARGET_AVX512VNNI inline void qminmax_run_vnni(
-    const std::int8_t* tile, const float* scale, const float* norm, const float* bias,
-    std::uint32_t d, std::uint32_t lane0, std::uint32_t count, const std::uint32_t* qw,
-    const float* t, const float* slack, std::uint32_t n, const score_sink& out, std::size_t i0) {
-  alignas(64) std::int32_t acc[8 * 16];
-  alignas(64) float res[8 * 16];
-  const __m512 sv = _mm512_loadu_ps(scale), nv = _mm512_loadu_ps(norm);
-  const __m512 bv = _mm512_loadu_ps(bias);
-  for (std::uint32_t r0 = 0; r0 < n; r0 += 8) {
-    const std::uint32_t rows = n - r0 < 8 ? n - r0 : 8;
-    const std::uint32_t* w = qw + std::size_t{r0} * (d / 2);
-    switch (rows) {
-      case 8:
-        qminmax_tile_vnni<8>(tile, d, w, acc);
-        break;
-      case 7:
-        qminmax_tile_vnni<7>(tile, d, w, acc);
-        break;
-      case 6:
-        qminmax_tile_vnni<6>(tile, d, w, acc);
-        break;
-      case 5:
-        qminmax_tile_vnni<5>(tile, d, w, acc);
-        break;
-      case 4:
-        qminmax_tile_vnni<4>(tile, d, w, acc);
-        break;
-      case 3:
-        qminmax_tile_vnni<3>(tile, d, w, acc);
-        break;
-      case 2:
-        qminmax_tile_vnni<2>(tile, d, w, acc);
-        break;
-      default:
-        qminmax_tile_vnni<1>(tile, d, w, acc);
-        break;
-    }
-    for (std::uint32_t r = 0; r < rows; ++r) {
-      const __m512 dot = _mm512_maskz_cvtepi32_ps(0xffff, _mm512_load_si512(acc + 16 * r));
-      const __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(t[r0 + r])),
-                                       _mm512_mul_ps(nv, _mm512_set1_ps(slack[r0 + r])));
-      _mm512_store_ps(res + 16 * r, _mm512_add_ps(v, bv));
-    }
-    out.put(res, 16, lane0, count, r0, rows, i0);
-  }
-}
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
-
-}  // namespace detail
 
 //! @brief `minmax_summary`'s bounds (elementwise max and min of the keys, Quest) stored as int8
 //! codes with a power-of-two scale `s = 2^e` per (entry, KV head), the least with every
@@ -439,15 +302,8 @@ class quantized_minmax_summary {
       const std::size_t j = contiguous ? 0 : detail::same_tile_end(entries, i, m, lanes);
       auto run = [&](std::uint32_t from, std::uint32_t count, const detail::score_sink& to,
                      std::size_t i0) {
-#if OASISKV_X86_KERNELS
-        if (vnni_) {
-          detail::qminmax_run_vnni(codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
-                                   row.data() + n, n, to, i0);
-          return;
-        }
-#endif
-        detail::qminmax_run_scalar(codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
-                                   row.data() + n, n, to, i0);
+        detail::qminmax_run(vnni_, codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
+                            row.data() + n, n, to, i0);
       };
       if (j != 0) {
         all.resize(std::size_t{lanes} * n);
