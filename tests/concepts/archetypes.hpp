@@ -70,6 +70,19 @@ struct io_tier {
   void read_block(slot_id, std::byte*) const;
   void write_block(slot_id, const std::byte*);
 };
+// Optional tier hooks.
+struct read_only_io_tier : io_tier {  // declares_read_only_tier
+  static constexpr bool read_only = true;
+};
+struct writable_io_tier : io_tier {  // says read_only, but false
+  static constexpr bool read_only = false;
+};
+struct io_tier_with_read_only_slots : io_tier {  // read_only_slot_tier
+  std::uint32_t read_only_slots() const;
+};
+struct io_tier_with_flush : io_tier {  // flushable_tier
+  void flush();
+};
 struct tier_without_memory_kind {
   const kv_layout& layout() const;
   std::uint32_t num_slots() const;
@@ -175,6 +188,25 @@ struct kernel {
 };
 struct kernel_taking_mutable_params {  // decode must accept a const decode_params&
   void decode(decode_params&);
+};
+
+// Optional hooks of allocators, kernels, engines and schedulers.
+struct allocator_with_take : allocator {  // claimable_allocator
+  void take(slot_id);
+};
+struct kernel_with_host_tables : kernel {  // host_table_kernel
+  void decode_host_tables(const decode_params&);
+};
+struct engine_bound_to_io_tier : engine {  // tier_bound_engine<_, io_tier>
+  explicit engine_bound_to_io_tier(io_tier&);
+};
+struct scheduler_with_hooks : scheduler {  // drainable, new-block staging, moded
+  static constexpr prefetch_mode mode = prefetch_mode::lookahead;
+  void drain();
+  std::optional<slot_id> stage_new(slot_id);
+};
+struct scheduler_with_raw_stage_new : scheduler {  // stage_new must return an optional
+  slot_id stage_new(slot_id);
 };
 
 }  // namespace archetype

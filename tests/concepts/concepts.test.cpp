@@ -81,6 +81,38 @@ static_assert(sparse_attention_kernel<archetype::kernel>);
 static_assert(!sparse_attention_kernel<archetype::kernel_taking_mutable_params>);
 static_assert(sparse_attention_kernel<reference_decode>);
 
+// Optional hooks: each satisfied by its archetype and the shipped models that have it, and not
+// by a model without it.
+static_assert(claimable_allocator<archetype::allocator_with_take> &&
+              claimable_allocator<free_list_allocator>);
+static_assert(!claimable_allocator<archetype::allocator>);
+static_assert(declares_read_only_tier<archetype::read_only_io_tier>);
+static_assert(!declares_read_only_tier<archetype::writable_io_tier> &&
+              !declares_read_only_tier<archetype::io_tier> && !declares_read_only_tier<host_tier>);
+static_assert(read_only_slot_tier<archetype::io_tier_with_read_only_slots> &&
+              read_only_slot_tier<composite_tier<host_tier, host_tier>>);
+static_assert(!read_only_slot_tier<archetype::io_tier> && !read_only_slot_tier<host_tier>);
+static_assert(flushable_tier<archetype::io_tier_with_flush> && flushable_tier<file_tier>);
+static_assert(!flushable_tier<archetype::io_tier> && !flushable_tier<host_tier>);
+static_assert(host_table_kernel<archetype::kernel_with_host_tables>);
+static_assert(!host_table_kernel<archetype::kernel> && !host_table_kernel<reference_decode>);
+static_assert(tier_bound_engine<archetype::engine_bound_to_io_tier, archetype::io_tier>);
+static_assert(tier_bound_engine<routing_engine<cpu_copy_engine, cpu_copy_engine>,
+                                composite_tier<host_tier, host_tier>>);
+static_assert(!tier_bound_engine<cpu_copy_engine, host_tier>);
+static_assert(drainable_scheduler<archetype::scheduler_with_hooks> &&
+              new_block_staging_scheduler<archetype::scheduler_with_hooks> &&
+              moded_scheduler<archetype::scheduler_with_hooks>);
+static_assert(!drainable_scheduler<archetype::scheduler> &&
+              !new_block_staging_scheduler<archetype::scheduler> &&
+              !moded_scheduler<archetype::scheduler>);
+static_assert(!new_block_staging_scheduler<archetype::scheduler_with_raw_stage_new>);
+using shipped_scheduler =
+    lookahead_prefetcher<lru_eviction>::bind<host_tier, host_tier, cpu_copy_engine,
+                                             free_list_allocator>;
+static_assert(drainable_scheduler<shipped_scheduler> &&
+              new_block_staging_scheduler<shipped_scheduler> && moded_scheduler<shipped_scheduler>);
+
 // A bundle of the shipped models, and one mixing in archetypes as an engine's own policies.
 struct shipped_bundle {
   using allocator = free_list_allocator;

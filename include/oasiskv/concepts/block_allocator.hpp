@@ -31,4 +31,17 @@ concept block_allocator = requires(A& a, const A& ca, slot_id s) {
   { ca.available() } -> std::same_as<std::size_t>;
 };
 
+//! @brief Optional hook: an allocator that can hand out one named slot.
+//!
+//! Additional expression, for `a` an `A&` and a slot `s`:
+//! - `a.take(s)`: marks free slot `s` as in use; a slot outside the pool throws
+//!   `errc::invalid_slot`, one in use `errc::invalid_argument`, leaving the allocator unchanged.
+//!   O(1).
+//! `tiered_kv_cache::adopt` (blocks that already lie in the capacity tier) and a capacity tier
+//! with read-only slots (`read_only_slot_tier`) need it; `free_list_allocator` has it.
+template <class A>
+concept claimable_allocator = block_allocator<A> && requires(A& a, slot_id s) {
+  { a.take(s) } -> std::same_as<void>;
+};
+
 }  // namespace oasiskv

@@ -63,6 +63,43 @@ concept prefetch_scheduler = requires(S& s, const S& cs, std::span<const slot_id
   { cs.resident_blocks() } -> std::same_as<std::size_t>;
 };
 
+//! @brief When the scheduler moves blocks.
+enum class prefetch_mode : std::uint8_t {
+  lookahead,     //!< `prefetch` stages predicted blocks ahead of the step
+  on_demand,     //!< nothing ahead: `acquire` fetches what is missing (the baseline)
+  all_resident,  //!< every block stays staged once fetched; never evicts (the dense baseline)
+};
+
+// -- optional hooks: what `tiered_kv_cache` uses where a scheduler has it -------------------------
+
+//! @brief A scheduler with background work that can be waited for.
+//! - `s.drain()`: returns once every prefetch in flight is staged or, where its transfer failed,
+//!   dropped. `tiered_kv_cache::drain` calls it.
+template <class S>
+concept drainable_scheduler = prefetch_scheduler<S> && requires(S& s) {
+  s.drain();
+};
+
+//! @brief A scheduler that stages a block the cache has just created from memory, without a
+//! transfer.
+//! - `s.stage_new(x)` -> `std::optional<slot_id>`: a fast slot for the new block of source slot
+//!   `x` (not resident), marked resident, which the caller fills with the block's bytes before
+//!   anything reads it; `std::nullopt` when no slot is free without evicting.
+//! `tiered_kv_cache` calls it for the block an append starts, where the fast tier is
+//! host-accessible, so the first attention over it does not miss.
+template <class S>
+concept new_block_staging_scheduler = prefetch_scheduler<S> && requires(S& s, slot_id x) {
+  { s.stage_new(x) } -> std::same_as<std::optional<slot_id>>;
+};
+
+//! @brief A scheduler that names its prefetch mode: `S::mode` -> `prefetch_mode`, a constant.
+//! `prefetch_mode::all_resident` (the dense baseline) makes `tiered_kv_cache` stage every block
+//! as soon as it fills.
+template <class S>
+concept moded_scheduler = prefetch_scheduler<S> && requires {
+  { S::mode } -> std::convertible_to<prefetch_mode>;
+};
+
 //! @brief A scheduler *policy* as a bundle names it (`lookahead_prefetcher<lru_eviction>`): a
 //! tag whose `bind<Fast, Slow, Engine, Allocator>` is the scheduler for those tiers.
 template <class P, class Fast, class Slow, class Engine, class Allocator>

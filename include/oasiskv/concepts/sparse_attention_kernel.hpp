@@ -25,4 +25,16 @@ concept sparse_attention_kernel = requires(K& k, const decode_params& p) {
   { k.decode(p) } -> std::same_as<void>;
 };
 
+//! @brief Optional hook: a kernel that reads device memory but takes block tables built on the
+//! host (a CUDA kernel that uploads them).
+//!
+//! Additional expression, for `k` a `K&` and `p` a `const decode_params&`:
+//! - `k.decode_host_tables(p)`: as `decode(p)`, except that `p`'s tables, offsets and lengths
+//!   are host memory (the KV and queries are where the kernel reads them).
+//! `tiered_kv_cache` builds its tables on the host, so it calls this where a kernel has it.
+template <class K>
+concept host_table_kernel = sparse_attention_kernel<K> && requires(K& k, const decode_params& p) {
+  { k.decode_host_tables(p) } -> std::same_as<void>;
+};
+
 }  // namespace oasiskv

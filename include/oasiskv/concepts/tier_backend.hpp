@@ -129,4 +129,36 @@ concept batched_block_io_tier = block_io_tier<T> &&
   { t.write_blocks(w) } -> std::same_as<void>;
 };
 
+// -- optional hooks: what `tiered_kv_cache` uses where a tier has it ------------------------------
+
+//! @brief A tier that declares all its slots read-only: `T::read_only`, a constant convertible to
+//! `bool` and true (a remote node's memory this node may read but never write). A
+//! `composite_tier` whose first part declares it has `read_only_slots()`.
+template <class T>
+concept declares_read_only_tier = tier_backend<T> && requires {
+  { T::read_only } -> std::convertible_to<bool>;
+} && static_cast<bool>(T::read_only);
+
+//! @brief A capacity tier some of whose slots are only ever adopted, never written.
+//!
+//! Additional expression, for `ct` a `const T&`:
+//! - `ct.read_only_slots()` -> `std::uint32_t`: slots `[0, n)` cannot be written; constant.
+//! `tiered_kv_cache` keeps them out of its allocator (which must be a `claimable_allocator`),
+//! lets them enter only through `adopt`, and copies such a block to a slot of its own before an
+//! append writes into it.
+template <class T>
+concept read_only_slot_tier = tier_backend<T> && requires(const T& ct) {
+  { ct.read_only_slots() } -> std::same_as<std::uint32_t>;
+};
+
+//! @brief A tier that writes behind (`file_tier` with `write_behind`).
+//!
+//! Additional expression, for `t` a `T&`:
+//! - `t.flush()`: returns once every write so far has reached the device; rethrows a deferred
+//!   write error. `tiered_kv_cache::drain` calls it.
+template <class T>
+concept flushable_tier = tier_backend<T> && requires(T& t) {
+  t.flush();
+};
+
 }  // namespace oasiskv

@@ -41,4 +41,11 @@ concept transfer_engine = tier_backend<Src> && tier_backend<Dst> &&
   { e.wait(t) } -> std::same_as<void>;
 };
 
+//! @brief Optional hook: an engine bound to the capacity tier it reads, constructed from it
+//! (`routing_engine` over a `composite_tier`, which routes each part to its own engine).
+//! `tiered_kv_cache` constructs its engine from the capacity tier where `E(slow)` is valid, else
+//! default-constructs it.
+template <class E, class Slow>
+concept tier_bound_engine = std::constructible_from<E, Slow&>;
+
 }  // namespace oasiskv

@@ -30,13 +30,6 @@ struct fetch_on_miss {};
 //! @brief A block the step needs but that was not staged is left out of the step (counted).
 struct skip_on_miss {};
 
-//! @brief When the scheduler moves blocks.
-enum class prefetch_mode : std::uint8_t {
-  lookahead,     //!< `prefetch` stages predicted blocks ahead of the step
-  on_demand,     //!< nothing ahead: `acquire` fetches what is missing (the baseline)
-  all_resident,  //!< every block stays staged once fetched; never evicts (the dense baseline)
-};
-
 //! @brief Totals of a scheduler since construction.
 struct scheduler_stats {
   std::uint64_t blocks_prefetched = 0;

@@ -23,16 +23,9 @@ namespace oasiskv {
 template <class T>
 concept composable_tier = host_accessible_tier<T> || block_io_tier<T>;
 
-//! @brief True for a tier that declares its slots read-only (`T::read_only`): a remote node's
-//! memory that this node may read but never write.
+//! @brief True for a tier that declares its slots read-only (`declares_read_only_tier`).
 template <class T>
-inline constexpr bool declares_read_only = [] {
-  if constexpr (requires { T::read_only; }) {
-    return static_cast<bool>(T::read_only);
-  } else {
-    return false;
-  }
-}();
+inline constexpr bool declares_read_only = declares_read_only_tier<T>;
 
 //! @brief Slots `[0, n)` are the slots of `First` (n = `first().num_slots()`), slots
 //! `[n, n + m)` those of `Second`, slot for slot. Reads and writes go to the part that holds the
