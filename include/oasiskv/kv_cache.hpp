@@ -19,13 +19,19 @@
 #include <vector>
 
 #include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/concepts/block_allocator.hpp"
 #include "oasiskv/concepts/block_summary.hpp"
 #include "oasiskv/concepts/growable_summary.hpp"
 #include "oasiskv/concepts/loadable_summary.hpp"
 #include "oasiskv/concepts/policy_bundle.hpp"
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
+#include "oasiskv/concepts/sparse_attention_kernel.hpp"
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/concepts/transfer_engine.hpp"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/selection.hpp"
+#include "oasiskv/detail/block_writer.hpp"
+#include "oasiskv/detail/summary_entry_store.hpp"
 #include "oasiskv/kv_cache_types.hpp"
 #include "oasiskv/scheduler/staging_scheduler.hpp"
 
@@ -95,12 +101,10 @@ class tiered_kv_cache {
   }();
   //! True for kernels that read device memory but accept tables built on the host
   //! (`decode_host_tables`): the cache's tables always are.
-  static constexpr bool host_table_kernel = requires(kernel_type & k, const decode_params& dp) {
-    k.decode_host_tables(dp);
-  };
+  static constexpr bool host_table_kernel = oasiskv::host_table_kernel<kernel_type>;
   //! True for the dense baseline (`all_resident`): every block is staged as soon as it fills.
   static constexpr bool stages_everything = [] {
-    if constexpr (requires { scheduler_type::mode; }) {
+    if constexpr (moded_scheduler<scheduler_type>) {
       return scheduler_type::mode == prefetch_mode::all_resident;
     } else {
       return false;
@@ -117,29 +121,21 @@ class tiered_kv_cache {
         options_(options),
         layout_(slow_.layout()),
         capacity_(static_cast<std::size_t>(slow_.num_slots())),
-        summaries_(make_summaries(layout_, slow_.num_slots())),
-        entry_of_(compact_summaries ? slow_.num_slots() : 0, no_entry),
+        entries_(layout_, slow_.num_slots()),
         predictor_(std::move(predictor)),
         kernel_(std::move(kernel)),
         engine_(make_engine(slow_)),
-        scheduler_(fast_, slow_, engine_, {options.max_evictions_per_step}) {
+        scheduler_(fast_, slow_, engine_, {options.max_evictions_per_step}),
+        writer_(layout_, slow_, fast_, scheduler_, capacity_, entries_) {
     if (!(fast_.layout() == layout_)) [[unlikely]] {
       detail::raise(errc::layout_mismatch, "tiered_kv_cache: fast and slow tier layouts differ");
     }
-    if constexpr (compact_summaries) {
-      const std::size_t tiles = (std::size_t{summaries_.capacity()} + entry_run - 1) / entry_run;
-      free_entries_.reserve(summaries_.capacity());
-      free_pos_.assign(summaries_.capacity(), no_entry);
-      free_tiles_.reserve(tiles);
-      tile_free_.assign(tiles, 0);
-      tile_listed_.assign(tiles, 0);
-    }
-    if constexpr (requires { slow_.read_only_slots(); }) {
-      static_assert(
-          requires(allocator_type & a, slot_id x) { a.take(x); },
-          "oasiskv: a capacity tier with read-only slots needs an allocator with "
-          "take(slot) (free_list_allocator has it)");
+    if constexpr (read_only_slot_tier<slow_tier_type>) {
+      static_assert(claimable_allocator<allocator_type>,
+                    "oasiskv: a capacity tier with read-only slots needs an allocator with "
+                    "take(slot) (free_list_allocator has it)");
       read_only_slots_ = slow_.read_only_slots();
+      writer_.set_read_only_slots(read_only_slots_);
       for (slot_id s = 0; s < read_only_slots_; ++s) {
         capacity_.reserve(s);  // only `adopt` may hand these out
       }
@@ -209,9 +205,8 @@ class tiered_kv_cache {
   //! outside the capacity tier; `errc::out_of_range` past `max_tokens_per_sequence`. O(blocks).
   sequence_id adopt(std::uint32_t tokens, std::span<const slot_id> slots,
                     std::span<const std::byte> summaries = {}) {
-    static_assert(
-        requires(allocator_type & a, slot_id x) { a.take(x); },
-        "oasiskv: adopt needs an allocator with take(slot) (free_list_allocator has it)");
+    static_assert(claimable_allocator<allocator_type>,
+                  "oasiskv: adopt needs an allocator with take(slot) (free_list_allocator has it)");
     std::lock_guard lock(mutex_);
     const std::uint32_t blocks = layout_.blocks_for(tokens);
     const std::size_t total = std::size_t{layout_.num_layers} * blocks;
@@ -227,32 +222,16 @@ class tiered_kv_cache {
     bool load = false;
     if constexpr (loads_summaries) {
       if (!summaries.empty()) {
-        const std::size_t want = total * summaries_.wire_bytes();
+        const std::size_t want = total * entries_.summaries().wire_bytes();
         if (summaries.size() != want) [[unlikely]] {
           detail::raise(errc::invalid_argument, "adopt: ", summaries.size(), " summary bytes for ",
-                        total, " blocks; expected ", total, " x ", summaries_.wire_bytes(), " = ",
-                        want);
+                        total, " blocks; expected ", total, " x ",
+                        entries_.summaries().wire_bytes(), " = ", want);
         }
         load = true;
       }
     }
-    reserve_entries(total);  // the only step that may allocate: before any slot is held
-    std::size_t held = 0;
-    try {
-      for (; held < total; ++held) {
-        capacity_.adopt(slots[held]);
-        bind_entry(slots[held], held % blocks == 0 ? null_slot : slots[held - 1], false);
-      }
-      if constexpr (has_summary) {
-        summarize_adopted(tokens, blocks, slots, summaries, load);
-      }
-    } catch (...) {
-      for (std::size_t i = 0; i < held; ++i) {
-        unbind_entry(slots[i]);
-        capacity_.deallocate(slots[i]);
-      }
-      throw;
-    }
+    writer_.adopt(tokens, blocks, slots, summaries, load);
     sequence_state st(layout_.num_layers);
     for (std::uint32_t l = 0; l < layout_.num_layers; ++l) {
       layer_state& ls = st.layers[l];
@@ -287,7 +266,7 @@ class tiered_kv_cache {
         scheduler_.prefetch(sources_);
       } catch (...) {
         for (slot_id x : slots) {
-          release_capacity_slot(x);
+          writer_.release(x);
         }
         throw;
       }
@@ -306,7 +285,7 @@ class tiered_kv_cache {
     sequence_state& st = find(seq, "remove");
     for (auto& layer : st.layers) {
       for (slot_id s : layer.blocks) {
-        release_capacity_slot(s);
+        writer_.release(s);
       }
     }
     sequences_.erase(seq);
@@ -334,10 +313,10 @@ class tiered_kv_cache {
   //! into the next one's clock, and an engine before it checkpoints or measures.
   void drain() {
     std::lock_guard lock(mutex_);
-    if constexpr (requires { scheduler_.drain(); }) {
+    if constexpr (drainable_scheduler<scheduler_type>) {
       scheduler_.drain();
     }
-    if constexpr (requires { slow_.flush(); }) {
+    if constexpr (flushable_tier<slow_tier_type>) {
       slow_.flush();
     }
   }
@@ -366,37 +345,7 @@ class tiered_kv_cache {
           static_cast<std::uint64_t>(seq), " layer ", layer, " (", ls.tokens,
           " tokens) would pass max_tokens_per_sequence = ", options_.max_tokens_per_sequence);
     }
-    const std::size_t token_bytes = std::size_t{layout_.num_kv_heads} * layout_.row_bytes();
-    const auto* kb = static_cast<const std::byte*>(k);
-    const auto* vb = static_cast<const std::byte*>(v);
-    append_undo undo{ls.tokens, ls.blocks.size(), false, {}};
-    try {
-      for (std::uint32_t done = 0; done < n;) {
-        const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
-        const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
-        if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
-          if (offset == 0 && undo.first_summarized && undo.tail.empty()) {
-            undo.tail = std::move(ls.tail);  // the partial block's bytes, for the undo
-          }
-        }
-        const slot_id slot = writable_block(ls, offset);
-        if (offset == 0 && done + count == n) {
-          stage_created(ls, slot);  // the block this append leaves as the sequence's last
-        }
-        write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
-        undo.first_summarized = undo.first_summarized || offset != 0;
-        if constexpr (stages_everything) {
-          if (offset + count == layout_.tokens_per_block) {
-            scheduler_.prefetch(std::span<const slot_id>(&slot, 1));  // full: stage it now
-          }
-        }
-        ls.tokens += count;
-        done += count;
-      }
-    } catch (...) {
-      undo_append(ls, undo);
-      throw;
-    }
+    writer_.append(ls, static_cast<const std::byte*>(k), static_cast<const std::byte*>(v), n);
   }
 
   //! @brief Predicts the blocks the next `attend` of (seq, layer) will need from the lookahead
@@ -522,7 +471,7 @@ class tiered_kv_cache {
     r.dense_bytes_per_sequence = blocks * layout_.num_layers * layout_.block_bytes();
     std::uint64_t summary_bytes = 0;
     if constexpr (has_summary) {
-      summary_bytes = summaries_.bytes_per_block();
+      summary_bytes = entries_.summaries().bytes_per_block();
     }
     const std::uint64_t staged = std::min<std::uint64_t>(blocks, 2ull * budget_blocks());
     r.oasis_bytes_per_sequence =
@@ -536,11 +485,7 @@ class tiered_kv_cache {
   //! capacity slots in use (plus growth slack), else one entry per capacity slot.
   std::uint64_t summary_bytes() const {
     std::lock_guard lock(mutex_);
-    if constexpr (has_summary) {
-      return std::uint64_t{summaries_.capacity()} * summaries_.bytes_per_block();
-    } else {
-      return 0;
-    }
+    return entries_.bytes();
   }
 
   //! @brief Checks every invariant: the scheduler's bookkeeping, residency within the fast tier,
@@ -549,7 +494,7 @@ class tiered_kv_cache {
   std::size_t audit() {
     std::lock_guard lock(mutex_);
     scheduler_.check_invariants();
-    check_entries();
+    entries_.check([this](slot_id s) { return capacity_.use_count(s); });
     if (scheduler_.resident_blocks() > fast_.num_slots()) [[unlikely]] {
       detail::raise(errc::capacity_exceeded, "audit: ", scheduler_.resident_blocks(),
                     " blocks resident in a fast tier of ", fast_.num_slots());
@@ -573,7 +518,7 @@ class tiered_kv_cache {
           } else {
             continue;  // bookkeeping only: the CPU cannot read this tier
           }
-          const std::byte* slow_bytes = read_capacity(s, buffer);
+          const std::byte* slow_bytes = writer_.read(s, buffer);
           if (std::memcmp(fast_bytes, slow_bytes, layout_.block_bytes()) != 0) [[unlikely]] {
             detail::raise(errc::invalid_argument, "audit: staged copy of capacity slot ", s,
                           " (fast slot ", *f, ") differs from the capacity tier");
@@ -590,11 +535,11 @@ class tiered_kv_cache {
   fast_tier_type& fast_tier() noexcept { return fast_; }
 
  private:
-  struct layer_state {
-    std::uint32_t tokens = 0;
-    std::vector<slot_id> blocks;       // block index -> capacity slot
+  using entry_store_type = detail::summary_entry_store<summary_type>;
+  using writer_type = detail::block_writer<slow_tier_type, fast_tier_type, scheduler_type,
+                                           allocator_type, entry_store_type, stages_everything>;
+  struct layer_state : detail::layer_blocks {
     std::optional<selection> pending;  // the last lookahead's selection
-    std::vector<std::byte> tail;       // the partial block, for block-I/O capacity tiers
   };
   struct sequence_state {
     explicit sequence_state(std::uint32_t num_layers) : layers(num_layers) {}
@@ -625,83 +570,13 @@ class tiered_kv_cache {
     selection sel;
     std::uint32_t tables_per_seq = 0;
   };
-  struct empty_summaries {};
-  static constexpr std::uint32_t no_entry = ~std::uint32_t{0};
-  static constexpr std::uint32_t initial_entries = 64;
-  using summary_store = std::conditional_t<has_summary, summary_type, empty_summaries>;
 
   static transfer_type make_engine(slow_tier_type& slow) {
-    if constexpr (std::is_constructible_v<transfer_type, slow_tier_type&>) {
+    if constexpr (tier_bound_engine<transfer_type, slow_tier_type>) {
       return transfer_type(slow);
     } else {
       (void)slow;
       return transfer_type();
-    }
-  }
-
-  // The summaries of adopted blocks: loaded from `summaries` (`load`), else computed from the
-  // blocks, read in batches.
-  void summarize_adopted(std::uint32_t tokens, std::uint32_t blocks, std::span<const slot_id> slots,
-                         std::span<const std::byte> summaries, bool load) {
-    const std::uint32_t tpb = layout_.tokens_per_block;
-    auto filled = [&](std::size_t i) {
-      const std::uint32_t b = static_cast<std::uint32_t>(i % blocks);
-      return b + 1 < blocks ? tpb : tokens - b * tpb;
-    };
-    if constexpr (loads_summaries) {
-      if (load) {
-        const std::size_t wb = summaries_.wire_bytes();
-        for (std::size_t i = 0; i < slots.size(); ++i) {
-          summaries_.load(entry(slots[i]), summaries.subspan(i * wb, wb), filled(i));
-        }
-        return;
-      }
-    } else {
-      (void)summaries, (void)load;
-    }
-    constexpr std::size_t chunk = 64;
-    const std::size_t bb = layout_.block_bytes();
-    std::vector<std::byte> buffer;
-    std::vector<block_read> reads;
-    for (std::size_t first = 0; first < slots.size(); first += chunk) {
-      const std::size_t n = std::min(chunk, slots.size() - first);
-      const std::byte* base = nullptr;
-      if constexpr (!host_accessible_tier<slow_tier_type>) {
-        buffer.resize(n * bb);
-        reads.clear();
-        for (std::size_t i = 0; i < n; ++i) {
-          reads.push_back({slots[first + i], buffer.data() + i * bb});
-        }
-        if constexpr (batched_block_io_tier<slow_tier_type>) {
-          slow_.read_blocks(reads);
-        } else {
-          for (const block_read& r : reads) {
-            slow_.read_block(r.slot, r.out);
-          }
-        }
-        base = buffer.data();
-      }
-      for (std::size_t i = 0; i < n; ++i) {
-        const slot_id s = slots[first + i];
-        const std::byte* block = nullptr;
-        if constexpr (host_accessible_tier<slow_tier_type>) {
-          block = std::as_const(slow_).slot_data(s);
-        } else {
-          block = base + i * bb;
-        }
-        summaries_.update(entry(s), block, 0, filled(first + i));  // bind_entry emptied it
-      }
-    }
-  }
-
-  static summary_store make_summaries(const kv_layout& l, std::uint32_t n) {
-    l.validate();
-    if constexpr (compact_summaries) {
-      return summary_type(l, std::min(n, initial_entries));
-    } else if constexpr (has_summary) {
-      return summary_type(l, n);
-    } else {
-      return {};
     }
   }
 
@@ -731,434 +606,14 @@ class tiered_kv_cache {
     return per_cache[this];
   }
 
-  // The capacity slot of the block that token `offset` of the next append goes to, made
-  // private (copy-on-write) if a fork shares it.
-  slot_id writable_block(layer_state& ls, std::uint32_t offset) {
-    if (offset == 0) {
-      const auto s = capacity_.allocate();
-      if (!s) [[unlikely]] {
-        detail::raise(errc::capacity_exceeded, "append: the capacity tier's ", slow_.num_slots(),
-                      " slots are all in use");
-      }
-      try {
-        bind_entry(*s, ls.blocks.empty() ? null_slot : ls.blocks.back());
-        ls.blocks.push_back(*s);
-      } catch (...) {
-        unbind_entry(*s);
-        capacity_.deallocate(*s);
-        throw;
-      }
-      if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
-        ls.tail.assign(layout_.block_bytes(), std::byte{0});
-      }
-      return *s;
-    }
-    slot_id& current = ls.blocks.back();
-    if (current < read_only_slots_) {
-      // An adopted block in read-only memory (a prefill node's): its tokens and the new ones go
-      // to a slot of the cache's own.
-      const auto fresh = capacity_.allocate();
-      if (!fresh) [[unlikely]] {
-        detail::raise(errc::capacity_exceeded, "append: no capacity slot left to copy read-only ",
-                      "block ", ls.blocks.size() - 1, " (slot ", current, ") for its writer");
-      }
-      try {
-        copy_capacity_block(current, *fresh, offset);
-      } catch (...) {
-        unbind_entry(*fresh);
-        capacity_.deallocate(*fresh);
-        throw;
-      }
-      release_capacity_slot(current);
-      current = *fresh;
-      ls.tail.clear();  // re-read from the new slot by `write_rows`
-      return current;
-    }
-    const auto cow = capacity_.prepare_write(current);
-    if (!cow) [[unlikely]] {
-      detail::raise(errc::capacity_exceeded, "append: no capacity slot left to copy shared block ",
-                    ls.blocks.size() - 1, " for its writer");
-    }
-    if (cow->copied) {
-      try {
-        copy_capacity_block(current, cow->slot, offset);
-      } catch (...) {
-        // `prepare_write` let go of `current` for the new slot: take the reference back.
-        capacity_.retain(current);
-        unbind_entry(cow->slot);
-        capacity_.deallocate(cow->slot);
-        throw;
-      }
-      current = cow->slot;
-    }
-    return current;
-  }
-
-  // What `append` restores when it fails part-way: the token count, the blocks it had, and
-  // whether the summary of its partial last block took rows that are now dropped (then, for a
-  // block-I/O capacity tier, `tail` holds that block's bytes once a later block replaced them).
-  struct append_undo {
-    std::uint32_t tokens;
-    std::size_t blocks;
-    bool first_summarized = false;
-    std::vector<std::byte> tail;
-  };
-
-  void undo_append(layer_state& ls, append_undo& undo) noexcept {
-    while (ls.blocks.size() > undo.blocks) {
-      const slot_id s = ls.blocks.back();
-      ls.blocks.pop_back();
-      try {
-        release_capacity_slot(s);
-      } catch (...) {  // forget() waits for a transfer in flight and never finds a pin here
-      }
-    }
-    ls.tokens = undo.tokens;
-    const std::uint32_t filled = ls.tokens % layout_.tokens_per_block;
-    if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
-      if (!undo.tail.empty()) {
-        ls.tail = std::move(undo.tail);
-      } else if (filled == 0) {
-        ls.tail.clear();  // the next append starts a block and sets it up
-      }
-    }
-    if constexpr (has_summary) {
-      if (undo.first_summarized && filled != 0) {
-        // The partial block's entry folded in rows that are gone: summarise its tokens again.
-        // Should the bytes not be readable now, the entry keeps them, which a bound-style
-        // summary tolerates (its bounds only widen) and no attention reads.
-        try {
-          const slot_id s = ls.blocks.back();
-          const std::byte* bytes = nullptr;
-          std::vector<std::byte> buffer;
-          if constexpr (host_accessible_tier<slow_tier_type>) {
-            bytes = std::as_const(slow_).slot_data(s);
-          } else if (ls.tail.size() == layout_.block_bytes()) {
-            bytes = ls.tail.data();
-          } else {
-            buffer.resize(layout_.block_bytes());
-            slow_.read_block(s, buffer.data());
-            bytes = buffer.data();
-          }
-          summaries_.reset(entry(s));
-          summaries_.update(entry(s), bytes, 0, filled);
-        } catch (...) {
-        }
-      }
-    }
-  }
-
-  // Copies the first `filled` tokens' block from `from` into `to`, a slot just allocated (its
-  // summary entry is bound here).
-  void copy_capacity_block(slot_id from, slot_id to, std::uint32_t filled) {
-    bind_entry(to);
-    scheduler_.settle(from);  // a staging copy may still read `from`; it stays valid (shared)
-    const std::byte* src = nullptr;
-    std::vector<std::byte> buffer;
-    if constexpr (host_accessible_tier<slow_tier_type>) {
-      src = std::as_const(slow_).slot_data(from);
-      std::memcpy(slow_.slot_data(to), src, layout_.block_bytes());
-    } else {
-      buffer.resize(layout_.block_bytes());
-      slow_.read_block(from, buffer.data());
-      slow_.write_block(to, buffer.data());
-      src = buffer.data();
-    }
-    if constexpr (has_summary) {
-      summaries_.update(entry(to), src, 0, filled);
-    }
-  }
-
-  // A block the cache has just created is staged from memory rather than fetched: a fast slot
-  // gets its content (the capacity slot's bytes where the CPU reaches them, else the zeroed tail
-  // buffer), and `write_rows` keeps it exact. Otherwise the first attention over every new block
-  // would miss and read back from the capacity tier what the cache had just written there.
-  void stage_created(layer_state& ls, slot_id slot) {
-    if constexpr (host_accessible_tier<fast_tier_type> &&
-                  requires { scheduler_.stage_new(slot); }) {
-      const auto f = scheduler_.stage_new(slot);
-      if (!f) {
-        return;  // no room: the step fetches it as before
-      }
-      if constexpr (host_accessible_tier<slow_tier_type>) {
-        std::memcpy(fast_.slot_data(*f), std::as_const(slow_).slot_data(slot),
-                    layout_.block_bytes());
-      } else {
-        std::memcpy(fast_.slot_data(*f), ls.tail.data(), layout_.block_bytes());
-      }
-    } else {
-      (void)ls, (void)slot;
-    }
-  }
-
-  // Writes `count` tokens at `offset` of capacity slot `slot` (and of its staged copy).
-  void write_rows(layer_state& ls, slot_id slot, std::uint32_t offset, std::uint32_t count,
-                  const std::byte* k, const std::byte* v) {
-    const auto staged = scheduler_.settle(slot);  // no copy may read the slot while we write
-    const std::size_t row = layout_.row_bytes();
-    auto scatter = [&](std::byte* block) {
-      for (std::uint32_t t = 0; t < count; ++t) {
-        for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
-          const std::size_t in = (std::size_t{t} * layout_.num_kv_heads + h) * row;
-          const std::size_t at = (offset + t) * row;
-          std::memcpy(block + layout_.key_offset(h) + at, k + in, row);
-          std::memcpy(block + layout_.value_offset(h) + at, v + in, row);
-        }
-      }
-    };
-    const std::byte* block = nullptr;
-    if constexpr (host_accessible_tier<slow_tier_type>) {
-      scatter(slow_.slot_data(slot));
-      block = std::as_const(slow_).slot_data(slot);
-    } else {
-      if (ls.tail.size() != layout_.block_bytes()) {  // a forked sequence's first write
-        ls.tail.resize(layout_.block_bytes());
-        slow_.read_block(slot, ls.tail.data());
-      }
-      scatter(ls.tail.data());
-      slow_.write_block(slot, ls.tail.data());
-      block = ls.tail.data();
-    }
-    if (staged) {
-      if constexpr (host_accessible_tier<fast_tier_type>) {
-        scatter(fast_.slot_data(*staged));  // write-through keeps the staged copy exact
-      } else {
-        // Device memory: stage the updated block again through the engine rather than write
-        // rows the CPU cannot reach.
-        scheduler_.forget(slot);
-        scheduler_.prefetch(std::span<const slot_id>(&slot, 1));
-      }
-    }
-    if constexpr (has_summary) {
-      summaries_.update(entry(slot), block, offset, count);
-    }
-  }
-
-  const std::byte* read_capacity(slot_id s, std::vector<std::byte>& buffer) const {
-    if constexpr (host_accessible_tier<slow_tier_type>) {
-      (void)buffer;
-      return slow_.slot_data(s);
-    } else {
-      slow_.read_block(s, buffer.data());
-      return buffer.data();
-    }
-  }
-
-  void release_capacity_slot(slot_id s) {
-    if (capacity_.use_count(s) == 1) {
-      scheduler_.forget(s);
-      unbind_entry(s);
-    }
-    capacity_.deallocate(s);
-  }
-
-  // -- summary entries --------------------------------------------------------------------------
-  // With `compact_summaries`, `entry_of_[slot]` is the summary entry of each capacity slot in
-  // use (`no_entry` otherwise). Entries are kept in runs: a layer's next block takes the entry
-  // after its previous block's when that one is free and in the same tile of `entry_run` (the
-  // summaries' tiles: consecutive entries in a tile are scored with one pass over the tile,
-  // where a layer's entries interleaved with the other layers' would cost a tile each). A new
-  // run starts on a whole free tile, else on a whole tile of the entries never handed out (the
-  // store grows by at least a quarter for it, up to one entry per slot), else at the start of
-  // any free stretch. Otherwise a slot's entry is the slot itself.
-
-  static constexpr std::uint32_t entry_run = summary_tile_entries_v<summary_type>;
-
-  std::uint32_t entry(slot_id s) const noexcept {
-    if constexpr (compact_summaries) {
-      return entry_of_[s];
-    } else {
-      return s;
-    }
-  }
-
-  // Makes room for `n` more entries than are in use. May allocate (the store is rebuilt).
-  void reserve_entries(std::size_t n) {
-    if constexpr (compact_summaries) {
-      const std::size_t in_use = entries_used_ - free_entries_.size();
-      const std::size_t cap = summaries_.capacity();
-      if (in_use + n <= cap) {
-        return;
-      }
-      grow_entries(in_use + n);
-    } else {
-      (void)n;
-    }
-  }
-
-  // Grows the store to at least `n` entries and by at least a quarter, within one per slot.
-  void grow_entries(std::size_t n) {
-    if constexpr (compact_summaries) {
-      const std::size_t cap = summaries_.capacity();
-      const std::size_t want = std::max(n, cap + std::max<std::size_t>(cap / 4, entry_run));
-      const auto grown = static_cast<std::uint32_t>(std::min<std::size_t>(want, entry_of_.size()));
-      if (grown <= cap) {
-        return;
-      }
-      const std::size_t tiles = (std::size_t{grown} + entry_run - 1) / entry_run;
-      // Every container that `unbind_entry` (noexcept) touches has room for the new entries.
-      free_entries_.reserve(grown);
-      free_tiles_.reserve(tiles);
-      free_pos_.resize(grown, no_entry);
-      tile_free_.resize(tiles, 0);
-      tile_listed_.resize(tiles, 0);
-      summaries_.grow(grown);
-    } else {
-      (void)n;
-    }
-  }
-
-  void check_entries() const {
-    if constexpr (compact_summaries) {
-      std::vector<std::uint8_t> seen(entries_used_, 0);
-      for (slot_id s = 0; s < entry_of_.size(); ++s) {
-        const std::uint32_t e = entry_of_[s];
-        const bool held = capacity_.use_count(s) != 0;
-        if (held != (e != no_entry) ||
-            (held && (e >= entries_used_ || seen[e]++ != 0 || free_pos_[e] != no_entry)))
-            [[unlikely]] {
-          detail::raise(errc::invalid_argument, "audit: capacity slot ", s, " (",
-                        capacity_.use_count(s), " holders) has summary entry ",
-                        e == no_entry ? std::string("none") : std::to_string(e),
-                        held ? ", not its own" : " while free");
-        }
-      }
-      for (std::size_t i = 0; i < free_entries_.size(); ++i) {
-        const std::uint32_t e = free_entries_[i];
-        if (e >= entries_used_ || seen[e]++ != 0 || free_pos_[e] != i) [[unlikely]] {
-          detail::raise(errc::invalid_argument, "audit: free summary entry ", e,
-                        " is in use or listed twice");
-        }
-      }
-      std::vector<std::uint8_t> free_in_tile(tile_free_.size(), 0);
-      for (const std::uint32_t e : free_entries_) {
-        ++free_in_tile[e / entry_run];
-      }
-      for (std::size_t t = 0; t < tile_free_.size(); ++t) {
-        if (free_in_tile[t] != tile_free_[t] ||
-            (tile_free_[t] == entry_run && tile_listed_[t] == 0)) [[unlikely]] {
-          detail::raise(errc::invalid_argument, "audit: summary tile ", t, " counts ",
-                        unsigned{tile_free_[t]}, " free entries, holds ", unsigned{free_in_tile[t]},
-                        tile_listed_[t] == 0 ? ", not listed" : "");
-        }
-      }
-      if (static_cast<std::size_t>(std::count(seen.begin(), seen.end(), std::uint8_t{1})) !=
-          entries_used_) [[unlikely]] {
-        detail::raise(errc::invalid_argument, "audit: summary entries lost (", entries_used_,
-                      " handed out)");
-      }
-    }
-  }
-
-  // Gives slot `s` (just allocated or adopted) an empty entry. `after`: the slot of the block
-  // before `s`'s in the same (sequence, layer), or `null_slot`. `may_grow`: the store may grow
-  // to start a run on a tile boundary (not while adopting: `adopt` reserved what it needs).
-  void bind_entry(slot_id s, slot_id after = null_slot, bool may_grow = true) {
-    if constexpr (compact_summaries) {
-      std::uint32_t e = no_entry;
-      if (after != null_slot && entry_of_[after] != no_entry &&
-          (entry_of_[after] + 1) % entry_run != 0) {  // the next entry, in the same tile
-        const std::uint32_t next = entry_of_[after] + 1;
-        if (next < entries_used_ && free_pos_[next] != no_entry) {
-          take_free(next);
-          e = next;
-        } else if (next == entries_used_ && next < summaries_.capacity()) {
-          e = entries_used_++;
-        }
-      }
-      while (e == no_entry && !free_tiles_.empty()) {  // a new run: a whole free tile
-        const std::uint32_t t = free_tiles_.back();
-        free_tiles_.pop_back();
-        tile_listed_[t] = 0;
-        if (tile_free_[t] == entry_run) {
-          e = t * entry_run;
-          take_free(e);
-        }
-      }
-      if (e == no_entry) {  // or a whole tile of the entries never handed out
-        const std::uint32_t aligned = (entries_used_ + entry_run - 1) / entry_run * entry_run;
-        if (may_grow && std::size_t{aligned} + entry_run > summaries_.capacity()) {
-          grow_entries(std::size_t{aligned} + entry_run);
-        }
-        if (std::size_t{aligned} + entry_run <= summaries_.capacity()) {
-          while (entries_used_ < aligned) {
-            push_free(entries_used_++);
-          }
-          e = entries_used_++;
-        }
-      }
-      if (e == no_entry && !free_entries_.empty()) {  // else the start of a free stretch
-        e = free_entries_.back();
-        while (e % entry_run != 0 && free_pos_[e - 1] != no_entry) {
-          --e;
-        }
-        take_free(e);
-      }
-      if (e == no_entry) {
-        if (entries_used_ == summaries_.capacity()) {
-          reserve_entries(1);
-        }
-        e = entries_used_++;
-      }
-      entry_of_[s] = e;
-      summaries_.reset(e);
-    } else if constexpr (has_summary) {
-      (void)after, (void)may_grow;
-      summaries_.reset(s);
-    } else {
-      (void)s, (void)after, (void)may_grow;
-    }
-  }
-
-  // Returns the entry of slot `s` (its last holder let go); a no-op for a slot without one.
-  void unbind_entry(slot_id s) noexcept {
-    if constexpr (compact_summaries) {
-      if (entry_of_[s] != no_entry) {
-        push_free(entry_of_[s]);
-        entry_of_[s] = no_entry;
-      }
-    } else {
-      (void)s;
-    }
-  }
-
-  // The free entries: a list with each entry's position, so that any one leaves it in O(1).
-  // Neither allocates: `free_entries_` has room for every entry, `free_pos_` one per entry.
-  // A tile whose entries are all free goes on `free_tiles_` (once), where new runs start.
-  void push_free(std::uint32_t e) noexcept {
-    free_pos_[e] = static_cast<std::uint32_t>(free_entries_.size());
-    free_entries_.push_back(e);
-    const std::uint32_t t = e / entry_run;
-    if (++tile_free_[t] == entry_run && tile_listed_[t] == 0) {
-      tile_listed_[t] = 1;
-      free_tiles_.push_back(t);  // fits: room for every tile
-    }
-  }
-  void take_free(std::uint32_t e) noexcept {
-    const std::uint32_t at = free_pos_[e], last = free_entries_.back();
-    free_entries_[at] = last;
-    free_pos_[last] = at;
-    free_entries_.pop_back();
-    free_pos_[e] = no_entry;
-    --tile_free_[e / entry_run];
-  }
-
   void predict(const layer_state& ls, query_view queries, selection& out) {
     prediction_input<summary_type> in;
     in.layout = layout_;
     in.seq_len = ls.tokens;
     if constexpr (has_summary) {
-      in.summaries = &summaries_;
+      in.summaries = &entries_.summaries();
     }
-    if constexpr (compact_summaries) {
-      summary_ids_.resize(ls.blocks.size());
-      for (std::size_t i = 0; i < ls.blocks.size(); ++i) {
-        summary_ids_[i] = entry_of_[ls.blocks[i]];
-      }
-      in.summary_ids = summary_ids_;
-    } else {
-      in.summary_ids = ls.blocks;
-    }
+    in.summary_ids = entries_.entries_of(ls.blocks, summary_ids_);
     in.queries = queries;
     if constexpr (addressable_tier<slow_tier_type>) {
       in.keys = slow_.view();
@@ -1257,19 +712,13 @@ class tiered_kv_cache {
   cache_options options_;
   kv_layout layout_;
   refcounted_allocator<allocator_type> capacity_;
-  summary_store summaries_;
-  std::vector<std::uint32_t> entry_of_;      // compact_summaries: capacity slot -> entry
-  std::vector<std::uint32_t> free_entries_;  // compact_summaries: entries to reuse
-  std::vector<std::uint32_t> free_pos_;      // compact_summaries: entry -> its place there
-  std::vector<std::uint32_t> free_tiles_;    // compact_summaries: tiles once seen all free
-  std::vector<std::uint8_t> tile_free_;      // compact_summaries: free entries per tile
-  std::vector<std::uint8_t> tile_listed_;    // compact_summaries: tile is on free_tiles_
-  std::uint32_t entries_used_ = 0;           // compact_summaries: entries ever handed out
-  std::vector<std::uint32_t> summary_ids_;   // predict's scratch (under the mutex)
+  entry_store_type entries_;                // the summaries, one entry per slot held
+  std::vector<std::uint32_t> summary_ids_;  // predict's scratch (under the mutex)
   predictor_type predictor_;
   kernel_type kernel_;
   transfer_type engine_;
   scheduler_type scheduler_;  // after the tiers and the engine it references
+  writer_type writer_;        // after everything it references
   std::unordered_map<sequence_id, sequence_state> sequences_;
   std::uint64_t next_sequence_ = 1;
   std::vector<slot_id> sources_;

@@ -1,0 +1,428 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file
+//! @brief `detail::block_writer`: how `tiered_kv_cache` writes a sequence's tokens into the
+//! capacity tier (copy-on-write for shared and read-only blocks, write-through to staged copies,
+//! all-or-nothing appends) and takes in blocks that already lie there (adoption).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/concepts/loadable_summary.hpp"
+#include "oasiskv/concepts/prefetch_scheduler.hpp"
+#include "oasiskv/concepts/tier_backend.hpp"
+#include "oasiskv/core/error.hpp"
+#include "oasiskv/core/ids.hpp"
+#include "oasiskv/core/layout.hpp"
+#include "oasiskv/core/selection.hpp"
+
+namespace oasiskv::detail {
+
+//! @brief One (sequence, layer)'s KV in the capacity tier: its tokens, the capacity slot of each
+//! block, and, for a capacity tier the CPU cannot address (block I/O), the partial last block's
+//! bytes, which appends update in memory and write whole.
+struct layer_blocks {
+  std::uint32_t tokens = 0;
+  std::vector<slot_id> blocks;  // block index -> capacity slot
+  std::vector<std::byte> tail;  // the partial block, for block-I/O capacity tiers
+};
+
+//! @brief The write and adoption paths of `tiered_kv_cache`, over the cache's tiers, scheduler,
+//! capacity allocator and summary entries (which it references; the cache owns them and calls
+//! under its lock).
+//!
+//! - `append`: all or nothing. Where a capacity-tier write fails or no capacity slot is left
+//!   part-way, the error propagates and the layer holds exactly the tokens it held before, its
+//!   new blocks released and the summary of its partial block recomputed.
+//! - A block shared with a fork is copied for its writer first (copy-on-write); a block in the
+//!   capacity tier's read-only slots (adopted from a prefill node) is copied to a slot the cache
+//!   allocates.
+//! - A staged copy of a block being written is written through (host fast tier) or staged again
+//!   (device fast tier), so attention never reads a stale copy.
+//! - `adopt`: slots that already hold blocks are taken by the allocator and given summary
+//!   entries, loaded from shipped bytes or computed from the blocks; on failure none is held.
+//!
+//! `StageFull`: every block is staged as soon as it fills (the dense baseline).
+template <class Slow, class Fast, class Scheduler, class Allocator, class Entries, bool StageFull>
+class block_writer {
+ public:
+  using slow_tier_type = Slow;
+  using fast_tier_type = Fast;
+  static constexpr bool has_summary = !std::is_same_v<typename Entries::summary_type, no_summary>;
+
+  block_writer(const kv_layout& l, Slow& slow, Fast& fast, Scheduler& scheduler,
+               refcounted_allocator<Allocator>& capacity, Entries& entries) noexcept
+      : layout_(l),
+        slow_(slow),
+        fast_(fast),
+        scheduler_(scheduler),
+        capacity_(capacity),
+        entries_(entries) {}
+
+  //! @brief Slots `[0, n)` of the capacity tier are read-only: a write into one copies it first.
+  void set_read_only_slots(std::uint32_t n) noexcept { read_only_slots_ = n; }
+
+  //! @brief Appends `n` tokens (`k`, `v`: `[n][num_kv_heads][head_dim]` elements) to `ls`.
+  //! All or nothing (see the class comment).
+  void append(layer_blocks& ls, const std::byte* kb, const std::byte* vb, std::uint32_t n) {
+    const std::size_t token_bytes = std::size_t{layout_.num_kv_heads} * layout_.row_bytes();
+    append_undo undo{ls.tokens, ls.blocks.size(), false, {}};
+    try {
+      for (std::uint32_t done = 0; done < n;) {
+        const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
+        const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
+        if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
+          if (offset == 0 && undo.first_summarized && undo.tail.empty()) {
+            undo.tail = std::move(ls.tail);  // the partial block's bytes, for the undo
+          }
+        }
+        const slot_id slot = writable_block(ls, offset);
+        if (offset == 0 && done + count == n) {
+          stage_created(ls, slot);  // the block this append leaves as the sequence's last
+        }
+        write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
+        undo.first_summarized = undo.first_summarized || offset != 0;
+        if constexpr (StageFull) {
+          if (offset + count == layout_.tokens_per_block) {
+            scheduler_.prefetch(std::span<const slot_id>(&slot, 1));  // full: stage it now
+          }
+        }
+        ls.tokens += count;
+        done += count;
+      }
+    } catch (...) {
+      undo_append(ls, undo);
+      throw;
+    }
+  }
+
+  //! @brief Takes `slots` (`[layers][blocks]`, each layer's last block holding the rest of
+  //! `tokens`) from the allocator and gives each a summary entry: loaded from `summaries`
+  //! (`[layers][blocks][wire_bytes]`) when `load`, else computed from the blocks. On failure no
+  //! slot is held and every entry is returned.
+  void adopt(std::uint32_t tokens, std::uint32_t blocks, std::span<const slot_id> slots,
+             std::span<const std::byte> summaries, bool load) {
+    entries_.reserve(slots.size());  // the only step that may allocate: before any slot is held
+    std::size_t held = 0;
+    try {
+      for (; held < slots.size(); ++held) {
+        capacity_.adopt(slots[held]);
+        entries_.bind(slots[held], held % blocks == 0 ? null_slot : slots[held - 1], false);
+      }
+      if constexpr (has_summary) {
+        summarize(tokens, blocks, slots, summaries, load);
+      } else {
+        (void)tokens, (void)summaries, (void)load;
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < held; ++i) {
+        entries_.unbind(slots[i]);
+        capacity_.deallocate(slots[i]);
+      }
+      throw;
+    }
+  }
+
+  //! @brief The bytes of capacity slot `s`: its memory, or read into `buffer` (one block).
+  const std::byte* read(slot_id s, std::vector<std::byte>& buffer) const {
+    if constexpr (host_accessible_tier<slow_tier_type>) {
+      (void)buffer;
+      return std::as_const(slow_).slot_data(s);
+    } else {
+      slow_.read_block(s, buffer.data());
+      return buffer.data();
+    }
+  }
+
+  //! @brief Lets go of one holder of capacity slot `s`; the last one also drops its staged copy
+  //! and summary entry.
+  void release(slot_id s) {
+    if (capacity_.use_count(s) == 1) {
+      scheduler_.forget(s);
+      entries_.unbind(s);
+    }
+    capacity_.deallocate(s);
+  }
+
+ private:
+  static constexpr bool loads_summaries = [] {
+    if constexpr (has_summary) {
+      return loadable_summary<typename Entries::summary_type>;
+    } else {
+      return false;
+    }
+  }();
+
+  // The summaries of adopted blocks: loaded from `summaries` (`load`), else computed from the
+  // blocks, read in batches.
+  void summarize(std::uint32_t tokens, std::uint32_t blocks, std::span<const slot_id> slots,
+                 std::span<const std::byte> summaries, bool load) {
+    const std::uint32_t tpb = layout_.tokens_per_block;
+    auto filled = [&](std::size_t i) {
+      const std::uint32_t b = static_cast<std::uint32_t>(i % blocks);
+      return b + 1 < blocks ? tpb : tokens - b * tpb;
+    };
+    if constexpr (loads_summaries) {
+      if (load) {
+        const std::size_t wb = entries_.summaries().wire_bytes();
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          entries_.load(slots[i], summaries.subspan(i * wb, wb), filled(i));
+        }
+        return;
+      }
+    } else {
+      (void)summaries, (void)load;
+    }
+    constexpr std::size_t chunk = 64;
+    const std::size_t bb = layout_.block_bytes();
+    std::vector<std::byte> buffer;
+    std::vector<block_read> reads;
+    for (std::size_t first = 0; first < slots.size(); first += chunk) {
+      const std::size_t n = std::min(chunk, slots.size() - first);
+      const std::byte* base = nullptr;
+      if constexpr (!host_accessible_tier<slow_tier_type>) {
+        buffer.resize(n * bb);
+        reads.clear();
+        for (std::size_t i = 0; i < n; ++i) {
+          reads.push_back({slots[first + i], buffer.data() + i * bb});
+        }
+        if constexpr (batched_block_io_tier<slow_tier_type>) {
+          slow_.read_blocks(reads);
+        } else {
+          for (const block_read& r : reads) {
+            slow_.read_block(r.slot, r.out);
+          }
+        }
+        base = buffer.data();
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        const slot_id s = slots[first + i];
+        const std::byte* block = nullptr;
+        if constexpr (host_accessible_tier<slow_tier_type>) {
+          block = std::as_const(slow_).slot_data(s);
+        } else {
+          block = base + i * bb;
+        }
+        entries_.update(s, block, 0, filled(first + i));  // `bind` emptied it
+      }
+    }
+  }
+
+  // The capacity slot of the block that token `offset` of the next append goes to, made
+  // private (copy-on-write) if a fork shares it.
+  slot_id writable_block(layer_blocks& ls, std::uint32_t offset) {
+    if (offset == 0) {
+      const auto s = capacity_.allocate();
+      if (!s) [[unlikely]] {
+        detail::raise(errc::capacity_exceeded, "append: the capacity tier's ", slow_.num_slots(),
+                      " slots are all in use");
+      }
+      try {
+        entries_.bind(*s, ls.blocks.empty() ? null_slot : ls.blocks.back());
+        ls.blocks.push_back(*s);
+      } catch (...) {
+        entries_.unbind(*s);
+        capacity_.deallocate(*s);
+        throw;
+      }
+      if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
+        ls.tail.assign(layout_.block_bytes(), std::byte{0});
+      }
+      return *s;
+    }
+    slot_id& current = ls.blocks.back();
+    if (current < read_only_slots_) {
+      // An adopted block in read-only memory (a prefill node's): its tokens and the new ones go
+      // to a slot of the cache's own.
+      const auto fresh = capacity_.allocate();
+      if (!fresh) [[unlikely]] {
+        detail::raise(errc::capacity_exceeded, "append: no capacity slot left to copy read-only ",
+                      "block ", ls.blocks.size() - 1, " (slot ", current, ") for its writer");
+      }
+      try {
+        copy_capacity_block(current, *fresh, offset);
+      } catch (...) {
+        entries_.unbind(*fresh);
+        capacity_.deallocate(*fresh);
+        throw;
+      }
+      release(current);
+      current = *fresh;
+      ls.tail.clear();  // re-read from the new slot by `write_rows`
+      return current;
+    }
+    const auto cow = capacity_.prepare_write(current);
+    if (!cow) [[unlikely]] {
+      detail::raise(errc::capacity_exceeded, "append: no capacity slot left to copy shared block ",
+                    ls.blocks.size() - 1, " for its writer");
+    }
+    if (cow->copied) {
+      try {
+        copy_capacity_block(current, cow->slot, offset);
+      } catch (...) {
+        // `prepare_write` let go of `current` for the new slot: take the reference back.
+        capacity_.retain(current);
+        entries_.unbind(cow->slot);
+        capacity_.deallocate(cow->slot);
+        throw;
+      }
+      current = cow->slot;
+    }
+    return current;
+  }
+
+  // What `append` restores when it fails part-way: the token count, the blocks it had, and
+  // whether the summary of its partial last block took rows that are now dropped (then, for a
+  // block-I/O capacity tier, `tail` holds that block's bytes once a later block replaced them).
+  struct append_undo {
+    std::uint32_t tokens;
+    std::size_t blocks;
+    bool first_summarized = false;
+    std::vector<std::byte> tail;
+  };
+
+  void undo_append(layer_blocks& ls, append_undo& undo) noexcept {
+    while (ls.blocks.size() > undo.blocks) {
+      const slot_id s = ls.blocks.back();
+      ls.blocks.pop_back();
+      try {
+        release(s);
+      } catch (...) {  // forget() waits for a transfer in flight and never finds a pin here
+      }
+    }
+    ls.tokens = undo.tokens;
+    const std::uint32_t filled = ls.tokens % layout_.tokens_per_block;
+    if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
+      if (!undo.tail.empty()) {
+        ls.tail = std::move(undo.tail);
+      } else if (filled == 0) {
+        ls.tail.clear();  // the next append starts a block and sets it up
+      }
+    }
+    if constexpr (has_summary) {
+      if (undo.first_summarized && filled != 0) {
+        // The partial block's entry folded in rows that are gone: summarise its tokens again.
+        // Should the bytes not be readable now, the entry keeps them, which a bound-style
+        // summary tolerates (its bounds only widen) and no attention reads.
+        try {
+          const slot_id s = ls.blocks.back();
+          const std::byte* bytes = nullptr;
+          std::vector<std::byte> buffer;
+          if constexpr (host_accessible_tier<slow_tier_type>) {
+            bytes = std::as_const(slow_).slot_data(s);
+          } else if (ls.tail.size() == layout_.block_bytes()) {
+            bytes = ls.tail.data();
+          } else {
+            buffer.resize(layout_.block_bytes());
+            slow_.read_block(s, buffer.data());
+            bytes = buffer.data();
+          }
+          entries_.resummarize(s, bytes, filled);
+        } catch (...) {
+        }
+      }
+    }
+  }
+
+  // Copies the first `filled` tokens' block from `from` into `to`, a slot just allocated (its
+  // summary entry is bound here).
+  void copy_capacity_block(slot_id from, slot_id to, std::uint32_t filled) {
+    entries_.bind(to);
+    scheduler_.settle(from);  // a staging copy may still read `from`; it stays valid (shared)
+    const std::byte* src = nullptr;
+    std::vector<std::byte> buffer;
+    if constexpr (host_accessible_tier<slow_tier_type>) {
+      src = std::as_const(slow_).slot_data(from);
+      std::memcpy(slow_.slot_data(to), src, layout_.block_bytes());
+    } else {
+      buffer.resize(layout_.block_bytes());
+      slow_.read_block(from, buffer.data());
+      slow_.write_block(to, buffer.data());
+      src = buffer.data();
+    }
+    if constexpr (has_summary) {
+      entries_.update(to, src, 0, filled);
+    }
+  }
+
+  // A block the cache has just created is staged from memory rather than fetched: a fast slot
+  // gets its content (the capacity slot's bytes where the CPU reaches them, else the zeroed tail
+  // buffer), and `write_rows` keeps it exact. Otherwise the first attention over every new block
+  // would miss and read back from the capacity tier what the cache had just written there.
+  void stage_created(layer_blocks& ls, slot_id slot) {
+    if constexpr (host_accessible_tier<fast_tier_type> && new_block_staging_scheduler<Scheduler>) {
+      const auto f = scheduler_.stage_new(slot);
+      if (!f) {
+        return;  // no room: the step fetches it as before
+      }
+      if constexpr (host_accessible_tier<slow_tier_type>) {
+        std::memcpy(fast_.slot_data(*f), std::as_const(slow_).slot_data(slot),
+                    layout_.block_bytes());
+      } else {
+        std::memcpy(fast_.slot_data(*f), ls.tail.data(), layout_.block_bytes());
+      }
+    } else {
+      (void)ls, (void)slot;
+    }
+  }
+
+  // Writes `count` tokens at `offset` of capacity slot `slot` (and of its staged copy).
+  void write_rows(layer_blocks& ls, slot_id slot, std::uint32_t offset, std::uint32_t count,
+                  const std::byte* k, const std::byte* v) {
+    const auto staged = scheduler_.settle(slot);  // no copy may read the slot while we write
+    const std::size_t row = layout_.row_bytes();
+    auto scatter = [&](std::byte* block) {
+      for (std::uint32_t t = 0; t < count; ++t) {
+        for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
+          const std::size_t in = (std::size_t{t} * layout_.num_kv_heads + h) * row;
+          const std::size_t at = (offset + t) * row;
+          std::memcpy(block + layout_.key_offset(h) + at, k + in, row);
+          std::memcpy(block + layout_.value_offset(h) + at, v + in, row);
+        }
+      }
+    };
+    const std::byte* block = nullptr;
+    if constexpr (host_accessible_tier<slow_tier_type>) {
+      scatter(slow_.slot_data(slot));
+      block = std::as_const(slow_).slot_data(slot);
+    } else {
+      if (ls.tail.size() != layout_.block_bytes()) {  // a forked sequence's first write
+        ls.tail.resize(layout_.block_bytes());
+        slow_.read_block(slot, ls.tail.data());
+      }
+      scatter(ls.tail.data());
+      slow_.write_block(slot, ls.tail.data());
+      block = ls.tail.data();
+    }
+    if (staged) {
+      if constexpr (host_accessible_tier<fast_tier_type>) {
+        scatter(fast_.slot_data(*staged));  // write-through keeps the staged copy exact
+      } else {
+        // Device memory: stage the updated block again through the engine rather than write
+        // rows the CPU cannot reach.
+        scheduler_.forget(slot);
+        scheduler_.prefetch(std::span<const slot_id>(&slot, 1));
+      }
+    }
+    if constexpr (has_summary) {
+      entries_.update(slot, block, offset, count);
+    }
+  }
+
+  kv_layout layout_;
+  Slow& slow_;
+  Fast& fast_;
+  Scheduler& scheduler_;
+  refcounted_allocator<Allocator>& capacity_;
+  Entries& entries_;
+  std::uint32_t read_only_slots_ = 0;
+};
+
+}  // namespace oasiskv::detail
