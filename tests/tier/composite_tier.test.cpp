@@ -20,6 +20,7 @@
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
 #include "oasiskv/transfer/routing_engine.hpp"
 #include "support/gated_io_tier.hpp"
+#include "support/tier_conformance.hpp"
 
 using namespace oasiskv;
 using oasiskv::testing::expect_error;
@@ -115,6 +116,19 @@ TEST_CASE("composite_tier: slots route by range; a read-only first part refuses 
   CHECK(out == w);
   rw.read_block(4, out.data());
   CHECK(out == w);
+}
+
+TEST_CASE("composite_tier: the tier_backend contract, with a writable and a read-only first part") {
+  composite rw = make(5, 7, false);
+  oasiskv::testing::check_tier_conformance(rw, 4);
+  composite ro = make(6, 4, true);
+  oasiskv::testing::check_tier_conformance(ro, 5);
+  // The read-only part still holds what it was made with.
+  std::vector<std::byte> out(layout.block_bytes());
+  for (slot_id s = 0; s < 6; ++s) {
+    ro.read_block(s, out.data());
+    CHECK(out == block_of(tag_of(s, 6)));
+  }
 }
 
 TEST_CASE("composite_tier: bad parts") {

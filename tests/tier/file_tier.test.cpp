@@ -25,6 +25,7 @@
 #include "oasiskv/tier/file_tier.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
+#include "support/tier_conformance.hpp"
 
 using oasiskv::block_read;
 using oasiskv::block_write;
@@ -203,6 +204,26 @@ TEST_CASE("file_tier: round trips through every backend, direct and buffered, an
           }
           t.read_blocks({});  // an empty batch is a no-op
         }
+      }
+    }
+  }
+}
+
+TEST_CASE("file_tier: the tier_backend contract through every backend, direct and buffered") {
+  temp_dir dir;
+  for (const file_backend backend : backends()) {
+    for (const bool direct : {true, false}) {
+      for (const bool behind : {false, true}) {
+        CAPTURE(oasiskv::to_string(backend));
+        CAPTURE(direct);
+        CAPTURE(behind);
+        file_tier t(odd, 24,
+                    {.path = dir.path.string(),
+                     .direct_io = direct,
+                     .backend = backend,
+                     .write_behind = behind});
+        oasiskv::testing::check_tier_conformance(t, 3);
+        t.flush();
       }
     }
   }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "oasiskv/tier/host_tier.hpp"
+#include "support/tier_conformance.hpp"
 
 using oasiskv::dtype;
 using oasiskv::errc;
@@ -53,6 +54,18 @@ TEST_CASE("host_tier: geometry, alignment and independent slots, in every alloca
     if (options.align == host_tier_options::alignment::page) {
       CHECK(reinterpret_cast<std::uintptr_t>(t.slot_data(0)) % 4096 == 0);
     }
+  }
+}
+
+TEST_CASE("host_tier: the tier_backend contract, in every allocation mode") {
+  for (auto options :
+       {host_tier_options{.align = host_tier_options::alignment::cache_line},
+        host_tier_options{.align = host_tier_options::alignment::page},
+        host_tier_options{.huge_pages = true}, host_tier_options{.prefault = true}}) {
+    host_tier t(odd, 10, options);
+    oasiskv::testing::check_tier_conformance(t, 1);
+    host_tier big(smollm2, 3, options);
+    oasiskv::testing::check_tier_conformance(big, 2);
   }
 }
 
