@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Builds and runs every test:
 #   0. the repository is self-contained: no tracked file refers to a path beside the clone
-#   1. formatting check (clang-format 14)
+#   1. formatting check (clang-format 14), and the API reference built without a Doxygen warning
 #   2. -Wall -Wextra -Werror build of tests, apps, examples, benchmarks and CUDA code (where nvcc is);
 #      the whole ctest suite, including the package-consumer and compile-fail tests
 #   3. the suite again under AddressSanitizer + UndefinedBehaviorSanitizer
@@ -17,7 +17,8 @@ source scripts/common.sh
 
 jobs=$(nproc 2>/dev/null || echo 2)
 # clang-14: the package-consumer test builds the headers with clang too (tests/package).
-oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}" clang-14
+# doxygen: the API reference (scripts/api-docs.sh).
+oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}" clang-14 doxygen
 oasiskv_find_cuda
 
 # The SmolLM2 tests of the mini-decoder (apps/mini_decoder) need the model file; tests never download, so fetch it
@@ -97,6 +98,13 @@ if [ ${#sources[@]} -gt 0 ] && ! clang-format-14 --dry-run -Werror "${sources[@]
   failed=$((failed + 1))
 else
   passed=$((passed + 1))
+fi
+
+phase "API reference (scripts/api-docs.sh: Doxygen, no warning allowed)"
+if scripts/api-docs.sh build/api; then
+  passed=$((passed + 1))
+else
+  failed=$((failed + 1))
 fi
 
 phase "build and test: -Werror (preset ci)"

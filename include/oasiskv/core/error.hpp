@@ -125,5 +125,8 @@ template <class... Parts>
 }  // namespace detail
 }  // namespace oasiskv
 
+// A standard-library specialisation, not API: the reference leaves it out.
+//! @cond
 template <>
 struct std::is_error_code_enum<oasiskv::errc> : std::true_type {};
+//! @endcond

@@ -42,6 +42,8 @@ static_assert(sizeof(block_ref) == 8);
 
 }  // namespace oasiskv
 
+// A standard-library specialisation, not API: the reference leaves it out.
+//! @cond
 template <>
 struct std::hash<oasiskv::block_key> {
   std::size_t operator()(const oasiskv::block_key& k) const noexcept {
@@ -56,3 +58,4 @@ struct std::hash<oasiskv::block_key> {
     return static_cast<std::size_t>(x);
   }
 };
+//! @endcond

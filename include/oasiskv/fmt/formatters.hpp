@@ -11,6 +11,9 @@
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
 
+// fmt specialisations (`fmt::format("{}", x)` works for these types); the reference leaves them
+// out.
+//! @cond
 template <>
 struct fmt::formatter<oasiskv::dtype> : fmt::formatter<std::string_view> {
   auto format(oasiskv::dtype t, fmt::format_context& ctx) const {
@@ -43,3 +46,4 @@ struct fmt::formatter<oasiskv::kv_layout> {
                           l.tokens_per_block, oasiskv::to_string(l.kv_dtype));
   }
 };
+//! @endcond

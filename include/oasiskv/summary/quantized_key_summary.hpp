@@ -26,7 +26,7 @@ namespace oasiskv {
 //! @brief A `Bits`-bit (8 or 4) copy of every key of every entry and KV head, with one f32
 //! scale per token (symmetric: `scale = max_x |k_x| / (2^(Bits-1) - 1)`, codes
 //! `round(k_x / scale)` in `[-127, 127]` or `[-7, 7]`). `score` is exact in the quantized
-//! domain: `max_t dot(q, k'_t)` over the entry's tokens, `k'_t = code_t * scale_t` (up to f32
+//! domain: `max_t dot(q, kq_t)` over the entry's tokens, `kq_t = code_t * scale_t` (up to f32
 //! rounding of the dot product), not a bound. `score_log_mass` gives what softmax-mass
 //! aggregation needs instead of a max: the block's exact softmax mass in the quantized domain.
 //!

@@ -39,8 +39,8 @@ namespace oasiskv {
 //! up to one code step per dimension and the query term: use it where the scan's time matters
 //! more than the last bit of ranking (see docs/predictors.md for the measured agreement).
 //!
-//! Power-of-two scales make an update exact to redo: growing the scale from `2^e` to `2^e'`
-//! turns each code into `ceil` (max) or `floor` (min) of `code / 2^(e' - e)`, which equals
+//! Power-of-two scales make an update exact to redo: growing the scale from `2^e` to `2^e_new`
+//! turns each code into `ceil` (max) or `floor` (min) of `code / 2^(e_new - e)`, which equals
 //! quantizing the exact bound at the new scale, so one-token appends and a bulk update give the
 //! same bits. A non-finite key makes its entry score `+inf`; an entry with no tokens, `-inf`.
 //!
