@@ -19,6 +19,7 @@
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
 #include "oasiskv/transfer/routing_engine.hpp"
+#include "support/engine_conformance.hpp"
 #include "support/gated_io_tier.hpp"
 #include "support/tier_conformance.hpp"
 
@@ -173,6 +174,13 @@ TEST_CASE("routing_engine: random batches across both parts arrive byte-exact") 
   }
   CHECK(e.first().stats().blocks > 0);
   CHECK(e.second().stats().blocks > 0);
+}
+
+TEST_CASE("routing_engine: the transfer_engine contract from both parts of a composite tier") {
+  composite c = make(6, 5, true);
+  host_tier fast(layout, 9);
+  router e(c);
+  oasiskv::testing::check_engine_conformance(e, c, fast, 8);
 }
 
 TEST_CASE("routing_engine: in flight, failures, refused batches") {

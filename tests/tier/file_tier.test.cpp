@@ -25,6 +25,7 @@
 #include "oasiskv/tier/file_tier.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
+#include "support/engine_conformance.hpp"
 #include "support/tier_conformance.hpp"
 
 using oasiskv::block_read;
@@ -209,7 +210,7 @@ TEST_CASE("file_tier: round trips through every backend, direct and buffered, an
   }
 }
 
-TEST_CASE("file_tier: the tier_backend contract through every backend, direct and buffered") {
+TEST_CASE("file_tier: the tier and transfer contracts through every backend, direct and buffered") {
   temp_dir dir;
   for (const file_backend backend : backends()) {
     for (const bool direct : {true, false}) {
@@ -223,6 +224,11 @@ TEST_CASE("file_tier: the tier_backend contract through every backend, direct an
                      .backend = backend,
                      .write_behind = behind});
         oasiskv::testing::check_tier_conformance(t, 3);
+        t.flush();
+        oasiskv::host_tier fast(odd, 10);
+        oasiskv::cpu_copy_engine e;
+        oasiskv::testing::check_engine_conformance(e, t, fast, 6);
+        oasiskv::testing::check_engine_conformance(e, fast, t, 7);
         t.flush();
       }
     }

@@ -18,6 +18,7 @@
 
 #include "oasiskv/tier/host_tier.hpp"
 #include "oasiskv/transfer/cpu_copy_engine.hpp"
+#include "support/engine_conformance.hpp"
 #include "support/gated_io_tier.hpp"
 
 using oasiskv::block_copy;
@@ -183,6 +184,21 @@ TEST_CASE("cpu_copy_engine: a lingering worker finds new batches, and wait wakes
                "linger_us = 1000001 must be at most 1000000");
   expect_error([] { cpu_copy_engine e({.poll_us = 0}); }, errc::invalid_argument,
                "poll_us = 0 must be in [1, 1000000]");
+}
+
+TEST_CASE("cpu_copy_engine: the transfer_engine contract between host and block-I/O tiers") {
+  {
+    host_tier a(small, 9), b(small, 7);
+    cpu_copy_engine e;
+    oasiskv::testing::check_engine_conformance(e, a, b, 1);
+  }
+  {
+    gated_io_tier file(small, 6);
+    host_tier fast(small, 8);
+    cpu_copy_engine e;
+    oasiskv::testing::check_engine_conformance(e, file, fast, 2);
+    oasiskv::testing::check_engine_conformance(e, fast, file, 3);
+  }
 }
 
 TEST_CASE("cpu_copy_engine: bad batches are rejected before anything moves") {
