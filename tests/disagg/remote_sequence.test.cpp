@@ -3,8 +3,11 @@
 // byte-equal to the exporter's.
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "disagg/disagg_support.hpp"
@@ -132,4 +135,99 @@ TEST_CASE("remote_sequence: full and selective admission read what they should, 
   refs.clear();
   sparse.stage(1, chosen, refs);
   CHECK(check_staged(sparse, 2, 1, refs, remote) == 0);
+}
+
+TEST_CASE("remote_sequence: a request dropped right after open fails the admission cleanly") {
+  // The exporter frees the request while the decode node's admission reads it: every layer's
+  // batch fails on its generation. The constructor must throw transfer_failed only once no get
+  // can still write into the pool it frees, and the tier must go on serving other requests.
+  const oasiskv::kv_layout deep{16, 4, 2, 64, 16, oasiskv::dtype::f16};  // 16 layers, 8 KiB blocks
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  const std::uint32_t per = deep.num_layers * deep.blocks_for(1000);
+  kv_exporter ex(deep, 2 * per + 8, eo);
+  ucx_engine engine({std::chrono::milliseconds(10000), 128});
+  remote_tier_options o;
+  o.port = ex.port();
+  o.token = disagg_test::token();
+  ucx_remote_tier tier(engine, o);
+  admission_options full;
+  full.mode = admission_mode::full;
+  int failed = 0;
+  for (std::uint64_t seq = 1; seq <= 8 && failed == 0; ++seq) {
+    disagg_test::publish_pattern(ex, seq, 1000);
+    const std::uint64_t opens = ex.stats().opens;
+    std::thread dropper([&] {
+      while (ex.stats().opens == opens) {
+        std::this_thread::yield();
+      }
+      ex.drop(seq);
+    });
+    try {
+      remote_sequence rs(tier, seq, full);
+      MESSAGE("admission of request ", seq, " finished before the drop; retrying");
+    } catch (const oasiskv::error& e) {
+      CHECK(e.code() == oasiskv::errc::transfer_failed);
+      ++failed;
+    }
+    dropper.join();
+  }
+  REQUIRE_MESSAGE(failed == 1, "no admission overlapped the drop in 8 tries");
+  // The tier and the exporter are fine: a fresh request admits and reads exactly.
+  disagg_test::publish_pattern(ex, 100, 1000);
+  remote_sequence rs(tier, 100, full);
+  std::vector<std::uint32_t> all;
+  std::vector<float> q(deep.num_q_heads * deep.head_dim, 1.0f);
+  rs.select(3, q.data(), all);
+  std::vector<oasiskv::block_ref> refs;
+  rs.stage(3, all, refs);
+  std::vector<std::byte> want(deep.block_bytes());
+  std::size_t bad = 0;
+  for (const oasiskv::block_ref& r : refs) {
+    if (r.index < 1000 / deep.tokens_per_block) {
+      disagg_test::fill_block(want.data(), 100, 3, r.index, want.size());
+      bad += std::memcmp(rs.pool().slot(r.slot), want.data(), want.size()) != 0;
+    }
+  }
+  CHECK(bad == 0);
+}
+
+TEST_SUITE("failure") {
+  TEST_CASE("remote_sequence: after its exporter dies, every stage throws; none serves stale KV") {
+    // A stage whose fetch failed, or whose batch the engine refused, must not leave the blocks
+    // it meant to fill marked resident: a retry would return bytes never fetched.
+    disagg_test::child ex;
+    const std::uint16_t port = start(ex);
+    ucx_engine engine({std::chrono::milliseconds(500), 128});
+    remote_tier_options o;
+    o.port = port;
+    o.token = disagg_test::token();
+    ucx_remote_tier tier(engine, o);
+    const std::uint32_t remote = 1000 / layout.tokens_per_block;  // 62 full blocks
+    admission_options sel;
+    sel.budget_tokens = 256;  // 16 blocks
+    remote_sequence rs(tier, 1, sel);
+    std::vector<oasiskv::block_ref> refs;
+    const std::vector<std::uint32_t> first{0,  5,  6,  7,  8,  9,  10, 11,
+                                           12, 13, 14, 15, 16, 17, 60, 61};
+    rs.stage(0, first, refs);
+    CHECK(check_staged(rs, 1, 0, refs, remote) == 0);
+    ::kill(ex.pid, SIGKILL);
+    const std::vector<std::uint32_t> next{0,  30, 31, 32, 33, 34, 35, 36,
+                                          37, 38, 39, 40, 41, 42, 60, 61};
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      CAPTURE(attempt);
+      refs.clear();
+      bool threw = false;
+      try {
+        rs.stage(0, next, refs);
+      } catch (const oasiskv::error&) {
+        threw = true;
+      }
+      CHECK(threw);
+      if (!threw) {
+        CHECK(check_staged(rs, 1, 0, refs, remote) == 0);
+      }
+    }
+  }
 }

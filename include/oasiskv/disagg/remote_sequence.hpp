@@ -13,6 +13,7 @@
 #include <numeric>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "oasiskv/core/ids.hpp"
@@ -81,7 +82,16 @@ class remote_sequence {
     }
     stats_.host_bytes = pool_->bytes() + opened_.summaries.size();
     stats_.admitted_bytes = opened_.summaries.size();
-    admit();
+    try {
+      admit();  // on failure it has waited for every batch: no get still writes into pool_
+    } catch (...) {
+      try {
+        tier_->release(seq_);  // the destructor will not run: give the lease back now
+      } catch (...) {
+        // The exporter is gone or dropped the request: it reclaims the blocks itself.
+      }
+      throw;
+    }
   }
   remote_sequence(const remote_sequence&) = delete;
   remote_sequence& operator=(const remote_sequence&) = delete;
@@ -160,21 +170,30 @@ class remote_sequence {
     settle(ls);
     ++ls.clock;
     std::vector<block_copy> copies;
-    for (std::uint32_t b : sel) {
-      if (ls.resident[b] != null_slot) {
-        ls.last_use[ls.resident[b] - layer * per_layer_] = ls.clock;
-        ++stats_.reused_blocks;
-        continue;
+    try {
+      for (std::uint32_t b : sel) {
+        if (ls.resident[b] != null_slot) {
+          ls.last_use[ls.resident[b] - layer * per_layer_] = ls.clock;
+          ++stats_.reused_blocks;
+          continue;
+        }
+        const slot_id s = take_slot(ls, layer);
+        ls.resident[b] = s;
+        ls.owner[s - layer * per_layer_] = b;
+        ls.last_use[s - layer * per_layer_] = ls.clock;
+        copies.push_back({remote_slot(layer, b), s});
       }
-      const slot_id s = take_slot(ls, layer);
-      ls.resident[b] = s;
-      ls.owner[s - layer * per_layer_] = b;
-      ls.last_use[s - layer * per_layer_] = ls.clock;
-      copies.push_back({remote_slot(layer, b), s});
-    }
-    if (!copies.empty()) {
-      ls.pending = tier_->engine().submit(*tier_, *pool_, copies);
-      ls.pending_blocks = copies.size();
+      if (!copies.empty()) {
+        ls.pending = tier_->engine().submit(*tier_, *pool_, copies);
+        ls.pending_blocks = copies.size();
+      }
+    } catch (...) {
+      // Nothing was fetched into the slots taken for `copies` (the engine refused the batch,
+      // or the selection ran out of slots): they must not read as resident.
+      for (const block_copy& c : copies) {
+        drop_local(ls, c.dst - layer * per_layer_);
+      }
+      throw;
     }
   }
 
@@ -323,42 +342,62 @@ class remote_sequence {
   void admit() {
     const std::uint32_t layers = layout_.num_layers;
     std::vector<std::uint32_t> sel;
-    for (std::uint32_t l = 0; l < layers; ++l) {
-      sel.clear();
-      if (options_.mode == admission_mode::full) {
-        for (std::uint32_t b = 0; b < remote_blocks_; ++b) {
-          sel.push_back(b);
-        }
-      } else {
-        for (std::uint32_t b = 0; b < std::min(options_.sink_blocks, remote_blocks_); ++b) {
-          sel.push_back(b);
-        }
-        for (std::uint32_t b = remote_blocks_ - std::min(options_.recent_blocks, remote_blocks_);
-             b < remote_blocks_; ++b) {
-          if (sel.empty() || b > sel.back()) {
+    std::vector<block_copy> partial;
+    std::optional<ucx_engine::ticket> tail_ticket;
+    try {
+      for (std::uint32_t l = 0; l < layers; ++l) {
+        sel.clear();
+        if (options_.mode == admission_mode::full) {
+          for (std::uint32_t b = 0; b < remote_blocks_; ++b) {
             sel.push_back(b);
+          }
+        } else {
+          for (std::uint32_t b = 0; b < std::min(options_.sink_blocks, remote_blocks_); ++b) {
+            sel.push_back(b);
+          }
+          for (std::uint32_t b = remote_blocks_ - std::min(options_.recent_blocks, remote_blocks_);
+               b < remote_blocks_; ++b) {
+            if (sel.empty() || b > sel.back()) {
+              sel.push_back(b);
+            }
+          }
+        }
+        prefetch(l, sel);
+      }
+      if (prompt_tokens_ % layout_.tokens_per_block != 0) {
+        for (std::uint32_t l = 0; l < layers; ++l) {
+          layers_[l].tail.push_back(tail_slot(l, 0));
+          partial.push_back(
+              {opened_.blocks[std::size_t{l} * n_blocks() + remote_blocks_].slot, tail_slot(l, 0)});
+        }
+      }
+      if (!partial.empty()) {
+        tail_ticket = tier_->engine().submit(*tier_, *pool_, partial);
+      }
+      for (auto& ls : layers_) {
+        settle(ls);
+      }
+      if (tail_ticket) {
+        tier_->engine().wait(*std::exchange(tail_ticket, std::nullopt));
+      }
+    } catch (...) {
+      // One batch failed (or was refused) while others may still be writing into the pool:
+      // wait for them all before the error leaves the constructor and frees the pool.
+      for (auto& ls : layers_) {
+        if (ls.pending) {
+          try {
+            tier_->engine().wait(*std::exchange(ls.pending, std::nullopt));
+          } catch (...) {
           }
         }
       }
-      prefetch(l, sel);
-    }
-    std::vector<block_copy> partial;
-    if (prompt_tokens_ % layout_.tokens_per_block != 0) {
-      for (std::uint32_t l = 0; l < layers; ++l) {
-        layers_[l].tail.push_back(tail_slot(l, 0));
-        partial.push_back(
-            {opened_.blocks[std::size_t{l} * n_blocks() + remote_blocks_].slot, tail_slot(l, 0)});
+      if (tail_ticket) {
+        try {
+          tier_->engine().wait(*tail_ticket);
+        } catch (...) {
+        }
       }
-    }
-    std::optional<ucx_engine::ticket> tail_ticket;
-    if (!partial.empty()) {
-      tail_ticket = tier_->engine().submit(*tier_, *pool_, partial);
-    }
-    for (auto& ls : layers_) {
-      settle(ls);
-    }
-    if (tail_ticket) {
-      tier_->engine().wait(*tail_ticket);
+      throw;
     }
     stats_.admitted_bytes += (stats_.fetched_blocks + partial.size()) * layout_.block_bytes();
     stats_.fetched_blocks = stats_.fetched_bytes = 0;
