@@ -3,8 +3,12 @@
 
 #include "support/expect_error.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -657,6 +661,46 @@ TEST_CASE("tiered_kv_cache over a file capacity tier: appends, forks, attention 
     CHECK(cache.scheduler().stats().failed_transfers == 0);
     CHECK(cache.audit() > 0);
   }
+}
+
+TEST_CASE("tiered_kv_cache over a write-behind file: a device error surfaces at the next append") {
+  // The device refuses a write the tier wrote behind (layer 0's block): the next append that
+  // writes another block (layer 1's) fails with io_error and leaves that layer as it was; the
+  // refused block stays readable from memory; once the device is back, appends go on, drain()
+  // puts everything on it, and every staged block equals the file's.
+  const kv_layout l{2, 4, 2, 16, 4, dtype::f32};
+  tiered_kv_cache<file_bundle> cache(file_tier(l, 64, {.path = "/tmp", .write_behind = true}),
+                                     host_tier(l, 32), {.budget_tokens = 64, .scale = 0.25f});
+  std::mt19937 rng(21);
+  const sequence_id a = cache.add_sequence();
+  append_random(cache, a, 6, rng);
+  cache.drain();
+  file_tier& file = cache.capacity_tier();
+  const int saved = ::dup(file.native_handle());
+  const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  REQUIRE(saved >= 0);
+  REQUIRE(null_fd >= 0);
+  REQUIRE(::dup2(null_fd, file.native_handle()) == file.native_handle());
+  ::close(null_fd);
+  auto k = random_rows(l, 1, rng), v = random_rows(l, 1, rng);
+  cache.append(a, 0, k.data(), v.data(), 1);  // written behind, refused in the background
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (file.failed_writes() == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  REQUIRE(file.failed_writes() == 1);
+  oasiskv::testing::expect_error([&] { cache.append(a, 1, k.data(), v.data(), 1); }, errc::io_error,
+                                 "earlier write(s) failed and are held in memory");
+  CHECK(cache.length(a, 0) == 7);
+  CHECK(cache.length(a, 1) == 6);  // all or nothing
+  REQUIRE(::dup2(saved, file.native_handle()) == file.native_handle());
+  ::close(saved);
+  cache.append(a, 1, k.data(), v.data(), 1);
+  CHECK(cache.length(a, 1) == 7);
+  cache.drain();
+  CHECK(file.failed_writes() == 0);
+  CHECK(file.pending_writes() == 0);
+  CHECK(cache.audit() > 0);
 }
 
 TEST_CASE("tiered_kv_cache: a block created by append is staged from memory, not fetched") {

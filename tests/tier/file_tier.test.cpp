@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <new>
 #include <numeric>
@@ -595,4 +597,123 @@ TEST_CASE("file_tier: bad arguments") {
   // No space: a reservation far larger than any disk is refused up front.
   expect_error([&] { file_tier x(smollm2, 4000000000u, {.path = d}); }, errc::io_error,
                "cannot reserve 49152000000000 bytes");
+}
+
+namespace {
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void put(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text;
+}
+// Points the tier's descriptor at /dev/null (reads come back short, writes fail with EBADF);
+// returns a duplicate of the real file to restore it with `heal`.
+int break_file(file_tier& t) {
+  const int saved = ::dup(t.native_handle());
+  const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  REQUIRE(saved >= 0);
+  REQUIRE(null_fd >= 0);
+  REQUIRE(::dup2(null_fd, t.native_handle()) == t.native_handle());
+  ::close(null_fd);
+  return saved;
+}
+void heal(file_tier& t, int saved) {
+  REQUIRE(::dup2(saved, t.native_handle()) == t.native_handle());
+  ::close(saved);
+}
+bool wait_for_failed(const file_tier& t, std::size_t n) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (t.failed_writes() < n && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return t.failed_writes() >= n;
+}
+}  // namespace
+
+TEST_CASE("file_tier: a named file's manifest refuses another layout, unknown data, lost writes") {
+  temp_dir dir;
+  const std::string path = (dir.path / "kv.bin").string();
+  const std::string manifest = path + ".oasiskv";
+  std::vector<std::byte> a(smollm2.block_bytes()), b(smollm2.block_bytes());
+  std::mt19937_64 rng(11);
+  fill_random(a.data(), a.size(), rng);
+  {
+    file_tier t(smollm2, 4, {.path = path});
+    CHECK(slurp(manifest).find("state open write_through") != std::string::npos);
+    t.write_block(1, a.data());
+  }
+  const std::string clean = slurp(manifest);
+  CHECK(clean ==
+        "oasiskv file_tier 1\nlayout 30 9 3 64 16 f16\nslot_bytes 12288\nslots 4\nstate clean\n");
+  // Blocks of another shape are refused, and the file is left as it was.
+  expect_error([&] { file_tier t(odd, 4, {.path = path}); }, errc::layout_mismatch,
+               "holds blocks of layout 30x9x3x64x16 f16 (12288-byte slots); this tier's is "
+               "1x2x1x8x3 bf16 (4096-byte slots)");
+  CHECK(slurp(manifest) == clean);
+  {
+    file_tier t(smollm2, 6, {.path = path});  // more slots: the file grows, blocks stay
+    t.read_block(1, b.data());
+    CHECK(a == b);
+  }
+  // A tier that died writing through leaves every write on the device: accepted.
+  put(manifest,
+      "oasiskv file_tier 1\nlayout 30 9 3 64 16 f16\nslot_bytes 12288\nslots 6\n"
+      "state open write_through\n");
+  { file_tier t(smollm2, 6, {.path = path}); }
+  // One that died writing behind may have lost writes: refused.
+  put(manifest,
+      "oasiskv file_tier 1\nlayout 30 9 3 64 16 f16\nslot_bytes 12288\nslots 6\n"
+      "state open write_behind\n");
+  expect_error([&] { file_tier t(smollm2, 6, {.path = path}); }, errc::io_error,
+               "wrote behind and did not close it");
+  put(manifest, "something else\n");
+  expect_error([&] { file_tier t(smollm2, 6, {.path = path}); }, errc::invalid_argument,
+               "is not one this version writes (first line 'something else')");
+  std::filesystem::remove(manifest);
+  expect_error([&] { file_tier t(smollm2, 6, {.path = path}); }, errc::invalid_argument,
+               "holds data but has no manifest");
+  // A tier destroyed while the device refuses a write it holds marks the file as stale.
+  const std::string path2 = (dir.path / "kv2.bin").string();
+  {
+    file_tier t(smollm2, 4, {.path = path2, .write_behind = true});
+    t.write_block(0, a.data());
+    t.flush();
+    const int saved = break_file(t);
+    t.write_block(2, a.data());
+    REQUIRE(wait_for_failed(t, 1));
+    ::close(saved);
+  }
+  CHECK(slurp(path2 + ".oasiskv").find("state lost 1\n") != std::string::npos);
+  expect_error([&] { file_tier t(smollm2, 4, {.path = path2}); }, errc::io_error,
+               "could not write 1 block(s), so its content is stale");
+}
+
+TEST_CASE("file_tier: a write-behind failure surfaces at the next write, which queues nothing") {
+  temp_dir dir;
+  std::mt19937_64 rng(12);
+  for (const file_backend backend : backends()) {
+    CAPTURE(oasiskv::to_string(backend));
+    file_tier t(smollm2, 8, {.path = dir.path.string(), .backend = backend, .write_behind = true});
+    std::vector<std::byte> a(smollm2.block_bytes()), c(smollm2.block_bytes()),
+        out(smollm2.block_bytes());
+    fill_random(a.data(), a.size(), rng);
+    fill_random(c.data(), c.size(), rng);
+    const int saved = break_file(t);
+    t.write_block(5, a.data());  // returns; the device refuses it in the background
+    REQUIRE(wait_for_failed(t, 1));
+    expect_error([&] { t.write_block(6, c.data()); }, errc::io_error,
+                 "1 earlier write(s) failed and are held in memory (slot 5: ");
+    CHECK(t.pending_writes() == 0);  // slot 6 was not queued
+    t.read_block(5, out.data());     // slot 5 reads back from memory
+    CHECK(out == a);
+    heal(t, saved);
+    t.write_block(6, c.data());  // retries slot 5 first, which now succeeds
+    CHECK(t.failed_writes() == 0);
+    t.flush();
+    t.read_block(5, out.data());
+    CHECK(out == a);
+    t.read_block(6, out.data());
+    CHECK(out == c);
+  }
 }

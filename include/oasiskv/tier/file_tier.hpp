@@ -20,6 +20,7 @@
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/tier/detail/file_io.hpp"
+#include "oasiskv/tier/detail/file_manifest.hpp"
 #include "oasiskv/tier/detail/pread_pool.hpp"
 #include "oasiskv/tier/detail/uring_ring.hpp"
 #include "oasiskv/tier/detail/write_behind.hpp"
@@ -49,7 +50,11 @@ constexpr std::string_view to_string(file_backend b) noexcept {
 struct file_tier_options {
   //! A directory: the tier creates an unlinked temporary file there (O_TMPFILE, or mkstemp and
   //! unlink), gone when the tier is. Otherwise a file path, created if missing and kept
-  //! afterwards (its blocks survive the tier), locked (flock) while the tier uses it.
+  //! afterwards (its blocks survive the tier), locked (flock) while the tier uses it, with a
+  //! manifest beside it (`<path>.oasiskv`: the layout, and how the last tier left the file). A
+  //! tier refuses a file whose blocks have another layout (`errc::layout_mismatch`), one whose
+  //! last tier lost writes or died writing behind (`errc::io_error`), and data without a
+  //! manifest (`errc::invalid_argument`).
   std::string path;
   //! Bypass the page cache (O_DIRECT), so the tier costs no host memory and measures the
   //! device. Where the filesystem refuses (tmpfs before Linux 6.6), the tier uses buffered I/O
@@ -65,9 +70,12 @@ struct file_tier_options {
   //! to the device in batches, and a read of a slot whose newest content is not on the device
   //! yet is served from that copy, so every read still returns the last write. A decoder that
   //! writes each token's partial block then pays a copy instead of a device round trip per
-  //! layer. Device errors show at `flush()`, which waits for every pending write; the content
-  //! of a failed write is kept, and read back, until a later write or `flush` succeeds. Off: a
-  //! write returns when the device has the block, and a device error is that write's.
+  //! layer. Device errors show at the next write (which retries the failed ones first and
+  //! throws `errc::io_error`, queuing nothing, if one still fails) and at `flush()`, which waits
+  //! for every pending write; the content of a failed write is kept, and read back, until a
+  //! later write or `flush` succeeds. A tier destroyed with writes the device still refuses
+  //! marks its named file as having lost them. Off: a write returns when the device has the
+  //! block, and a device error is that write's.
   bool write_behind = false;
   //! With `write_behind`: the writer thread runs at SCHED_IDLE, so waking it never takes a core
   //! from a running thread (a decode step); it runs on cores nothing else wants. On a machine
@@ -151,6 +159,15 @@ class file_tier {
           [st](std::span<const block_write> w) { device_run(*st, w); }, options.background_writer,
           std::chrono::microseconds{options.write_linger_us});
     }
+    if (!f.temporary) {
+      // Last: the manifest says "open" only once the tier exists (its destructor closes it).
+      detail::adopt_manifest(options.path, f.had_data, layout_, slot_bytes_, num_slots_,
+                             options.write_behind);
+      state_->manifest.layout = layout_;
+      state_->manifest.slot_bytes = slot_bytes_;
+      state_->manifest.slots = num_slots_;
+      state_->manifest_path = detail::file_manifest::path_for(options.path);
+    }
   }
 
   file_tier(file_tier&&) noexcept = default;
@@ -233,8 +250,31 @@ class file_tier {
 
  private:
   struct state {
+    state() = default;
+    state(const state&) = delete;
+    state& operator=(const state&) = delete;
+    // A named file: its last writes reach the device (or are counted as lost), then the
+    // manifest records how the tier left it: `clean`, `lost` or `unsynced`.
+    ~state() {
+      std::size_t lost = 0;
+      if (behind) {
+        lost = behind->close();
+        behind.reset();
+      }
+      if (!manifest_path.empty()) {
+        if (lost > 0) {
+          manifest.state = "lost";
+          manifest.lost_writes = lost;
+        } else {
+          manifest.state = ::fdatasync(file.get()) == 0 ? "clean" : "unsynced";
+        }
+        (void)manifest.write(manifest_path);  // best effort: a destructor cannot throw
+      }
+    }
     // First member: destroyed last, after the threads and rings that use the descriptor.
     detail::unique_fd file;
+    std::string manifest_path;  // empty for a temporary file
+    detail::file_manifest manifest;
     file_tier_options options;
     detail::file_geometry geo;
     file_backend backend = file_backend::pread_pool;

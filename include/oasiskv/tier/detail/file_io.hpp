@@ -249,6 +249,7 @@ struct backing_file {
   unique_fd fd;
   bool direct = false;
   bool temporary = false;
+  bool had_data = false;  //!< a named file that existed with a non-zero size
 };
 
 inline std::string parent_directory(const std::string& path) {
@@ -305,6 +306,8 @@ inline backing_file open_backing_file(const std::string& path, bool want_direct,
       raise(errc::io_error, "file_tier: '", path,
             "' is locked by another user: ", std::strerror(errno));
     }
+    struct stat fst {};
+    f.had_data = ::fstat(fd, &fst) == 0 && fst.st_size > 0;
   }
   if (want_direct) {
     // Setting O_DIRECT after open lets one code path open the file; filesystems without direct

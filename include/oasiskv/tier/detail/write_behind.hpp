@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -16,6 +17,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -63,21 +65,37 @@ class write_behind {
   write_behind(const write_behind&) = delete;
   write_behind& operator=(const write_behind&) = delete;
 
-  //! Writes everything still pending (failures are dropped: the tier is going away), then stops.
-  ~write_behind() {
+  //! Writes everything still pending and stops (see `close`).
+  ~write_behind() { (void)close(); }
+
+  //! Writes everything still pending, stops the writer, and retries once each write the device
+  //! refused. Returns how many slots still could not be written: their newest content is lost
+  //! with this object, which the owner must record (`file_tier` marks its file). Idempotent.
+  std::size_t close() noexcept {
     {
       std::lock_guard lock(mutex_);
       stopping_ = true;
     }
     work_cv_.notify_all();
-    writer_.join();
+    if (writer_.joinable()) {
+      writer_.join();
+    }
+    std::lock_guard lock(mutex_);
+    for (auto it = failed_.begin(); it != failed_.end();) {
+      const block_write w{it->first, it->second.held->data.ensure(stride_)};
+      it = attempt(w).empty() ? failed_.erase(it) : std::next(it);
+    }
+    return failed_.size();
   }
 
   //! Copies each block and queues it; returns once copied. A slot already queued and not yet
   //! started has its copy replaced (the device sees the newest content only). Waits while
-  //! `capacity` copies are pending.
+  //! `capacity` copies are pending. Where earlier writes of other slots failed, retries them
+  //! first and, if one still fails, throws `errc::io_error` naming it, queuing nothing: a device
+  //! error surfaces at the next write, not only at `flush`.
   void enqueue(std::span<const block_write> writes) {
     std::unique_lock lock(mutex_);
+    retry_failed(writes);
     for (const block_write& w : writes) {
       if (auto it = queued_.find(w.slot); it != queued_.end()) {
         std::memcpy(it->second->data.ensure(stride_), w.in, block_bytes_);
@@ -183,6 +201,41 @@ class write_behind {
       return e.what();
     } catch (...) {
       return "unknown exception";
+    }
+  }
+
+  // Called with the lock held. Retries the failed writes of slots that `writes` does not
+  // supersede; throws naming the first that still fails.
+  void retry_failed(std::span<const block_write> writes) {
+    if (failed_.empty()) {
+      return;
+    }
+    std::size_t still = 0;
+    const std::string* first = nullptr;
+    slot_id first_slot = 0;
+    for (auto it = failed_.begin(); it != failed_.end();) {
+      const bool superseded = std::any_of(
+          writes.begin(), writes.end(), [&](const block_write& w) { return w.slot == it->first; });
+      if (superseded) {
+        ++it;
+        continue;
+      }
+      const block_write w{it->first, it->second.held->data.ensure(stride_)};
+      if (std::string reason = attempt(w); reason.empty()) {
+        it = failed_.erase(it);
+        continue;
+      } else {
+        it->second.reason = std::move(reason);
+      }
+      if (still++ == 0) {
+        first = &it->second.reason;
+        first_slot = it->first;
+      }
+      ++it;
+    }
+    if (still > 0) {
+      raise(errc::io_error, "file_tier: ", still, " earlier write(s) failed and are held in ",
+            "memory (slot ", first_slot, ": ", *first, "); this write was not queued");
     }
   }
 
