@@ -7,6 +7,7 @@
 
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <array>
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -39,7 +41,13 @@ struct exporter_options {
   token_type token{};                      //!< a decode node must present it in `hello`
   std::chrono::milliseconds lease{30000};  //!< a lease lapses unless extended by heartbeats
   std::uint32_t max_connections = 64;
-  std::chrono::milliseconds io_timeout{1000};  //!< a stalled peer cannot hold the loop longer
+  //! A connection must present a valid `hello` within this long of connecting, and a frame once
+  //! begun must arrive whole within it; a reply not taken by the peer within it closes the
+  //! connection. No peer ever holds the loop: every connection is served without blocking.
+  std::chrono::milliseconds io_timeout{1000};
+  //! An authenticated connection that sends nothing for this long is closed (decode nodes
+  //! heartbeat every lease / 3). 0: twice the lease.
+  std::chrono::milliseconds idle_timeout{0};
   //! How long the progress thread keeps polling UCX after its last event before it sleeps on
   //! the worker's event descriptor: longer answers a burst of gets sooner, shorter leaves the
   //! prefill node's cores to prefill.
@@ -52,6 +60,9 @@ struct exporter_options {
 
 struct exporter_stats {
   std::uint64_t opens = 0, releases = 0, leases_expired = 0, refused = 0, bad_messages = 0;
+  //! Authenticated connections closed for holding the exporter: silence past the idle timeout, a
+  //! frame begun and not finished, or a reply not taken, within `io_timeout`.
+  std::uint64_t timed_out = 0;
   std::uint64_t freed_requests = 0;
   //! Sleeps of the progress thread when idle (on the worker's event descriptor, or naps without
   //! `exporter_options::wakeup`), and how many of them UCX ended (a get or message arrived)
@@ -63,8 +74,10 @@ struct exporter_stats {
 //! and `drop` from any thread while the control and progress threads serve decode nodes.
 class kv_exporter {
  public:
+  //! Throws `errc::invalid_argument` naming the option for a lease, timeout or connection limit
+  //! of 0, and for the all-zero token (the default, which any peer could present).
   kv_exporter(const kv_layout& layout, std::uint32_t num_slots, exporter_options options)
-      : options_(std::move(options)),
+      : options_(validated(std::move(options))),
         arena_(layout, num_slots),
         slots_(num_slots),
         gen_table_(num_slots),
@@ -134,20 +147,42 @@ class kv_exporter {
   std::byte* slot_data(slot_id s) { return arena_.slot_data(s); }
 
   //! @brief Makes request `seq` visible to decode nodes; computes its block summaries.
+  //! The summaries are computed without holding the exporter's lock, so decode nodes are served
+  //! meanwhile (a large request takes seconds). Publishing a request again, or one dropped
+  //! meanwhile, throws `errc::unknown_sequence` / `errc::invalid_argument`.
   void publish(std::uint64_t seq) {
     const kv_layout& l = layout();
-    std::lock_guard lock(mutex_);
-    request& r = find(seq, "publish");
-    const std::uint32_t blocks = l.blocks_for(r.tokens);
-    r.summaries.resize(r.slots.size() * summary_bytes(l));
-    for (std::size_t i = 0; i < r.slots.size(); ++i) {
+    std::vector<slot_id> slots;
+    std::uint32_t tokens = 0;
+    {
+      std::lock_guard lock(mutex_);
+      request& r = find(seq, "publish");
+      if (r.published || r.publishing) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument, "kv_exporter::publish: request ", seq,
+                               " is already published");
+      }
+      r.publishing = true;
+      slots = r.slots;
+      tokens = r.tokens;
+    }
+    const std::uint32_t blocks = l.blocks_for(tokens);
+    std::vector<std::byte> summaries(slots.size() * summary_bytes(l));
+    for (std::size_t i = 0; i < slots.size(); ++i) {
       const std::uint32_t b = static_cast<std::uint32_t>(i % blocks);
       const std::uint32_t filled =
-          b + 1 < blocks ? l.tokens_per_block : r.tokens - b * l.tokens_per_block;
-      summarize_block(l, arena_.slot_data(r.slots[i]), filled,
-                      r.summaries.data() + i * summary_bytes(l));
+          b + 1 < blocks ? l.tokens_per_block : tokens - b * l.tokens_per_block;
+      summarize_block(l, arena_.slot_data(slots[i]), filled,
+                      summaries.data() + i * summary_bytes(l));
     }
-    r.published = true;
+    std::lock_guard lock(mutex_);
+    auto it = requests_.find(seq);
+    if (it == requests_.end() || it->second.slots != slots) [[unlikely]] {
+      oasiskv::detail::raise(errc::unknown_sequence, "kv_exporter::publish: request ", seq,
+                             " was dropped while its summaries were computed");
+    }
+    it->second.summaries = std::move(summaries);
+    it->second.publishing = false;
+    it->second.published = true;
   }
 
   //! @brief Frees request `seq` now, leased or not (its blocks' generations change, so a
@@ -164,14 +199,31 @@ class kv_exporter {
     std::vector<slot_id> slots;
     std::vector<std::byte> summaries;
     bool published = false;
+    bool publishing = false;  // summaries being computed, outside the lock
     std::uint64_t owner = 0;  // session holding the lease; 0: none
     steady::time_point expiry{};
   };
+  // One control connection, served without blocking: bytes are read as they arrive into the
+  // frame being received, and a reply waits in `out` until the socket takes it.
   struct connection {
     fd_handle fd;
     std::uint64_t session = 0;  // 0 until a valid hello
     std::string peer;
+    steady::time_point accepted{};
+    steady::time_point last_frame{};   // the last whole frame received
+    steady::time_point frame_begun{};  // the first byte of the frame being received
+    std::array<std::byte, header_bytes> head{};
+    std::size_t head_got = 0;
+    std::optional<frame_header> header;  // once the header is whole
+    std::vector<std::byte> payload;      // grows as the payload arrives
+    std::vector<std::byte> out;          // reply bytes not yet sent
+    std::size_t out_sent = 0;
+    steady::time_point out_since{};
+    bool closing = false;  // close once `out` is sent (a refusal, a protocol violation)
   };
+  // Payload bytes a frame may carry before its connection has presented a valid hello: a hello
+  // is a token and a name.
+  static constexpr std::uint32_t pre_auth_payload = 4096;
 
   // The generation table gets its own pages: it is registered, and on tcp/sm a registration
   // exposes whatever memory it names.
@@ -191,6 +243,32 @@ class kv_exporter {
     std::size_t bytes;
     std::uint64_t* data = nullptr;
   };
+
+  static exporter_options validated(exporter_options o) {
+    auto bad = [](const char* what, auto value, const char* rule = " must be positive") {
+      oasiskv::detail::raise(errc::invalid_argument, "exporter_options.", what, " = ", value, rule);
+    };
+    if (o.lease.count() <= 0) {
+      bad("lease (ms)", o.lease.count());
+    }
+    if (o.io_timeout.count() <= 0) {
+      bad("io_timeout (ms)", o.io_timeout.count());
+    }
+    if (o.idle_timeout.count() < 0) {
+      bad("idle_timeout (ms)", o.idle_timeout.count(),
+          " must not be negative (0: twice the lease)");
+    }
+    if (o.max_connections == 0) {
+      bad("max_connections", o.max_connections);
+    }
+    if (std::all_of(o.token.begin(), o.token.end(), [](std::byte b) { return b == std::byte{0}; }))
+        [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "exporter_options.token is all zero: set a secret token that decode "
+                             "nodes present in hello");
+    }
+    return o;
+  }
 
   request& find(std::uint64_t seq, const char* what) {
     auto it = requests_.find(seq);
@@ -255,78 +333,234 @@ class kv_exporter {
     std::vector<connection> conns;
     std::vector<pollfd> fds;
     while (!stop_.load()) {
-      fds.clear();
-      fds.push_back({listen_.get(), POLLIN, 0});
-      for (const connection& c : conns) {
-        fds.push_back({c.fd.get(), POLLIN, 0});
-      }
-      ::poll(fds.data(), fds.size(), 20);
-      if (fds[0].revents & POLLIN) {
-        accept_one(conns);
-      }
-      for (std::size_t i = 1; i < fds.size(); ++i) {
-        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
-          if (!serve_one(conns[i - 1])) {
-            conns[i - 1].fd.reset();
+      // Nothing a peer sends or fails to take may end this thread: a connection whose service
+      // throws anything is closed, and the loop goes on.
+      try {
+        fds.clear();
+        fds.push_back({listen_.get(), POLLIN, 0});
+        for (const connection& c : conns) {
+          const short events = static_cast<short>(c.out.size() > c.out_sent ? POLLOUT : 0) |
+                               static_cast<short>(c.closing ? 0 : POLLIN);
+          fds.push_back({c.fd.get(), events, 0});
+        }
+        ::poll(fds.data(), fds.size(), 20);
+        if (fds[0].revents & POLLIN) {
+          accept_one(conns);
+        }
+        for (std::size_t i = 1; i < fds.size(); ++i) {
+          connection& c = conns[i - 1];
+          try {
+            if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+              receive(c);
+            }
+            if (c.fd && c.out.size() > c.out_sent) {
+              flush_out(c);
+            }
+          } catch (const std::exception&) {
+            c.fd.reset();  // e.g. std::bad_alloc for a frame this process cannot hold
           }
         }
+        expire_connections(conns);
+        std::erase_if(conns, [](const connection& c) { return !c.fd; });
+        reap_leases();
+      } catch (const std::exception&) {
+        std::lock_guard lock(mutex_);
+        ++stats_.bad_messages;
       }
-      std::erase_if(conns, [](const connection& c) { return !c.fd; });
-      reap_leases();
     }
   }
 
   void accept_one(std::vector<connection>& conns) {
-    fd_handle fd(::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    fd_handle fd(::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd || conns.size() >= options_.max_connections) {
       std::lock_guard lock(mutex_);
       ++stats_.refused;
       return;
     }
-    conns.push_back({std::move(fd), 0, "decode peer fd " + std::to_string(fd.get())});
+    connection c;
+    c.peer = "decode peer fd " + std::to_string(fd.get());
+    c.fd = std::move(fd);
+    c.accepted = c.last_frame = steady::now();
+    conns.push_back(std::move(c));
   }
 
-  // Serves one message; false closes the connection (peer gone, malformed, or refused).
-  bool serve_one(connection& c) {
-    const auto deadline = steady::now() + options_.io_timeout;
-    received_frame f;
-    try {
-      f = recv_frame(c.fd.get(), deadline, c.peer);
-    } catch (const error& e) {
-      if (e.code() != errc::io_error) {  // a malformed frame, not a closed socket: answer it
-        std::lock_guard lock(mutex_);
-        ++stats_.bad_messages;
-        reply(c, error_msg{static_cast<std::uint32_t>(e.code()), e.what()}, 0);
+  std::chrono::milliseconds idle_timeout() const noexcept {
+    return options_.idle_timeout.count() > 0 ? options_.idle_timeout : 2 * options_.lease;
+  }
+
+  // Closes connections that hold the exporter without making progress: no valid hello within
+  // `io_timeout`, a frame begun and not finished within it, a reply the peer does not take
+  // within it, or (authenticated) silence beyond the idle timeout.
+  void expire_connections(std::vector<connection>& conns) {
+    const auto now = steady::now();
+    for (connection& c : conns) {
+      if (!c.fd) {
+        continue;
       }
-      return false;
+      const bool no_hello = c.session == 0 && now - c.accepted > options_.io_timeout;
+      const bool slow_frame =
+          (c.head_got > 0 || c.header) && now - c.frame_begun > options_.io_timeout;
+      const bool stuck_reply = c.out.size() > c.out_sent && now - c.out_since > options_.io_timeout;
+      const bool idle = c.session != 0 && now - c.last_frame > idle_timeout();
+      if (no_hello || slow_frame || stuck_reply || idle) {
+        std::lock_guard lock(mutex_);
+        ++(no_hello ? stats_.refused : stats_.timed_out);
+        c.fd.reset();
+      }
     }
+  }
+
+  // Reads what the socket has; serves each frame that becomes whole.
+  void receive(connection& c) {
+    std::array<std::byte, 64 * 1024> buf;
+    for (;;) {
+      const ssize_t n = ::recv(c.fd.get(), buf.data(), buf.size(), 0);
+      if (n == 0) {
+        c.fd.reset();  // closed by the peer
+        return;
+      }
+      if (n < 0) {
+        if (errno == EINTR) {
+          continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+          c.fd.reset();
+        }
+        return;
+      }
+      std::span<const std::byte> in(buf.data(), static_cast<std::size_t>(n));
+      while (!in.empty() && c.fd && !c.closing) {
+        in = consume(c, in);
+      }
+      if (c.closing || !c.fd) {
+        return;
+      }
+    }
+  }
+
+  // Takes bytes of the frame being received; serves it when whole. Returns the bytes left.
+  std::span<const std::byte> consume(connection& c, std::span<const std::byte> in) {
+    if (c.head_got == 0 && !c.header) {
+      c.frame_begun = steady::now();
+    }
+    if (!c.header) {
+      const std::size_t k = std::min(in.size(), header_bytes - c.head_got);
+      std::memcpy(c.head.data() + c.head_got, in.data(), k);
+      c.head_got += k;
+      in = in.subspan(k);
+      if (c.head_got < header_bytes) {
+        return in;
+      }
+      try {
+        c.header = decode_header(c.head);
+      } catch (const error& e) {
+        refuse(c, e, 0, false);
+        return {};
+      }
+      if (c.session == 0 && c.header->payload_bytes > pre_auth_payload) {
+        refuse(c,
+               error(errc::invalid_argument, "oasiskv: kv_exporter: refused: a frame of " +
+                                                 std::to_string(c.header->payload_bytes) +
+                                                 " payload bytes before hello"),
+               c.header->request_id, true);
+        return {};
+      }
+      c.payload.clear();
+      c.payload.reserve(std::min<std::size_t>(c.header->payload_bytes, 1u << 20));
+    }
+    const std::size_t want = c.header->payload_bytes - c.payload.size();
+    const std::size_t k = std::min(in.size(), want);
+    c.payload.insert(c.payload.end(), in.begin(), in.begin() + static_cast<std::ptrdiff_t>(k));
+    in = in.subspan(k);
+    if (c.payload.size() < c.header->payload_bytes) {
+      return in;
+    }
+    const frame_header h = *c.header;
+    c.header.reset();
+    c.head_got = 0;
+    c.last_frame = steady::now();
+    received_frame f;
+    f.header = h;
     try {
-      return dispatch(c, f);
+      f.body = parse_payload(h.type, c.payload);
     } catch (const error& e) {
-      reply(c, error_msg{static_cast<std::uint32_t>(e.code()), e.what()}, f.header.request_id);
-      return e.code() != errc::invalid_argument;  // a protocol violation ends the session
+      refuse(c, e, h.request_id, false);
+      return {};
     }
+    serve(c, f);
+    return in;
   }
 
-  void reply(connection& c, const message& m, std::uint64_t id) {
+  // Answers a frame it could not take with an error and closes the connection after it.
+  void refuse(connection& c, const error& e, std::uint64_t id, bool unauthenticated) {
+    std::lock_guard lock(mutex_);
+    ++(unauthenticated ? stats_.refused : stats_.bad_messages);
+    queue_reply(c, error_msg{static_cast<std::uint32_t>(e.code()), e.what()}, id);
+    c.closing = true;
+  }
+
+  // Serves one whole frame: the state is read and changed under the lock, the reply is encoded
+  // and sent after it (a slow reader never holds the lock).
+  void serve(connection& c, const received_frame& f) {
+    message reply_msg;
     try {
-      send_all(c.fd.get(), encode(m, id), steady::now() + options_.io_timeout, c.peer);
-    } catch (const error&) {
-      // The peer is gone or stalled; the poll loop closes it.
+      if (!dispatch(c, f, reply_msg)) {
+        c.closing = true;
+      }
+    } catch (const error& e) {
+      reply_msg = error_msg{static_cast<std::uint32_t>(e.code()), e.what()};
+      if (e.code() == errc::invalid_argument) {
+        c.closing = true;  // a protocol violation ends the session
+      }
+    }
+    queue_reply(c, reply_msg, f.header.request_id);
+  }
+
+  void queue_reply(connection& c, const message& m, std::uint64_t id) {
+    std::vector<std::byte> bytes;
+    try {
+      bytes = encode(m, id);
+    } catch (const error& e) {
+      // A reply this protocol cannot carry: say so rather than leave the peer waiting.
+      bytes = encode(error_msg{static_cast<std::uint32_t>(e.code()), e.what()}, id);
+    }
+    if (c.out_sent == c.out.size()) {
+      c.out.clear();
+      c.out_sent = 0;
+      c.out_since = steady::now();
+    }
+    c.out.insert(c.out.end(), bytes.begin(), bytes.end());
+  }
+
+  void flush_out(connection& c) {
+    while (c.out_sent < c.out.size()) {
+      const ssize_t n =
+          ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL);
+      if (n > 0) {
+        c.out_sent += static_cast<std::size_t>(n);
+        c.out_since = steady::now();
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        return;  // the rest when the socket takes it
+      }
+      c.fd.reset();
+      return;
+    }
+    if (c.closing) {
+      c.fd.reset();
     }
   }
 
-  bool dispatch(connection& c, const received_frame& f) {
-    const std::uint64_t id = f.header.request_id;
+  // Computes the reply to `f` into `out`; false closes the connection after it.
+  bool dispatch(connection& c, const received_frame& f, message& out) {
     if (c.session == 0) {
       const auto* h = std::get_if<hello_msg>(&f.body);
       if (h == nullptr || !token_matches(h->token)) {
         std::lock_guard lock(mutex_);
         ++stats_.refused;
-        reply(c,
-              error_msg{static_cast<std::uint32_t>(errc::invalid_argument),
-                        "oasiskv: kv_exporter: refused: no valid token in hello"},
-              id);
+        out = error_msg{static_cast<std::uint32_t>(errc::invalid_argument),
+                        "oasiskv: kv_exporter: refused: no valid token in hello"};
         return false;
       }
       c.session = next_session_.fetch_add(1);
@@ -340,11 +574,14 @@ class kv_exporter {
       a.arena = {arena_reg_.base(), arena_reg_.length(), arena_reg_.rkey()};
       a.generations = {gen_reg_.base(), gen_reg_.length(), gen_reg_.rkey()};
       a.worker_address = worker_address_;
-      reply(c, a, id);
+      out = std::move(a);
       return true;
     }
+    if (std::holds_alternative<hello_msg>(f.body)) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "kv_exporter: a second hello from ", c.peer);
+    }
     if (const auto* o = std::get_if<open_msg>(&f.body)) {
-      reply(c, open_request(c, *o), id);
+      out = open_request(c, *o);
     } else if (std::holds_alternative<heartbeat_msg>(f.body)) {
       std::lock_guard lock(mutex_);
       std::uint32_t n = 0;
@@ -354,7 +591,7 @@ class kv_exporter {
           ++n;
         }
       }
-      reply(c, heartbeat_ack_msg{static_cast<std::uint32_t>(options_.lease.count()), n}, id);
+      out = heartbeat_ack_msg{static_cast<std::uint32_t>(options_.lease.count()), n};
     } else if (const auto* r = std::get_if<release_msg>(&f.body)) {
       std::lock_guard lock(mutex_);
       auto it = requests_.find(r->seq);
@@ -364,7 +601,7 @@ class kv_exporter {
       }
       free_request(r->seq);
       ++stats_.releases;
-      reply(c, released_msg{r->seq}, id);
+      out = released_msg{r->seq};
     } else {
       oasiskv::detail::raise(errc::invalid_argument, "kv_exporter: unexpected message type ",
                              static_cast<std::uint16_t>(f.header.type), " from ", c.peer);

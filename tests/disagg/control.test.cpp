@@ -1,0 +1,231 @@
+// SPDX-License-Identifier: Apache-2.0
+// The exporter's control channel against hostile and failing peers, over raw sockets beside a
+// real decode node: peers that never speak, speak slowly, send a huge frame before hello, a
+// second hello or no hello, and go silent after one; bad options. After each, a real decode
+// node still opens and reads a request exactly, without waiting on the others.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "disagg/disagg_support.hpp"
+#include "oasiskv/disagg/ucx_remote_tier.hpp"
+#include "oasiskv/tier/host_tier.hpp"
+#include "support/expect_error.hpp"
+
+using namespace oasiskv::disagg;
+using disagg_test::layout;
+using oasiskv::errc;
+using oasiskv::testing::expect_error;
+using ms = std::chrono::milliseconds;
+
+namespace {
+
+exporter_options quick(std::uint32_t max_connections = 64) {
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  eo.io_timeout = ms(300);
+  eo.max_connections = max_connections;
+  return eo;
+}
+
+remote_tier_options client(std::uint16_t port) {
+  remote_tier_options o;
+  o.port = port;
+  o.token = disagg_test::token();
+  o.heartbeat = false;
+  return o;
+}
+
+// A real decode node: hello, open, read every block, check each byte. Returns how long it took.
+ms decode_once(std::uint16_t port, std::uint64_t seq) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ucx_engine engine({ms(10000), 128});
+  ucx_remote_tier tier(engine, client(port));
+  const opened_msg o = tier.open(seq, false);
+  oasiskv::host_tier local(layout, static_cast<std::uint32_t>(o.blocks.size()));
+  std::vector<oasiskv::block_copy> copies;
+  for (std::size_t i = 0; i < o.blocks.size(); ++i) {
+    copies.push_back({o.blocks[i].slot, static_cast<oasiskv::slot_id>(i)});
+  }
+  engine.wait(engine.submit(tier, local, copies));
+  std::vector<std::byte> want(layout.block_bytes());
+  for (std::size_t i = 0; i < o.blocks.size(); ++i) {
+    disagg_test::fill_block(want.data(), seq, static_cast<std::uint32_t>(i / o.blocks_per_layer),
+                            static_cast<std::uint32_t>(i % o.blocks_per_layer), want.size());
+    REQUIRE(std::memcmp(local.slot_data(copies[i].dst), want.data(), want.size()) == 0);
+  }
+  tier.release(seq);
+  return std::chrono::duration_cast<ms>(std::chrono::steady_clock::now() - t0);
+}
+
+fd_handle raw(std::uint16_t port) {
+  return connect_tcp("127.0.0.1", port, ms(2000));
+}
+
+void send_bytes(const fd_handle& fd, std::span<const std::byte> b) {
+  send_all(fd.get(), b, steady::now() + ms(2000), "raw");
+}
+
+// Waits until the exporter closes `fd`; returns the frame it sent first, if any.
+std::optional<received_frame> until_closed(const fd_handle& fd, ms timeout = ms(3000)) {
+  std::optional<received_frame> first;
+  const auto deadline = steady::now() + timeout;
+  try {
+    first = recv_frame(fd.get(), deadline, "raw");
+  } catch (const oasiskv::error&) {
+    return std::nullopt;  // closed (or timed out) before any frame
+  }
+  std::byte b;
+  while (steady::now() < deadline) {
+    pollfd p{fd.get(), POLLIN, 0};
+    if (::poll(&p, 1, 50) == 1) {
+      if (::recv(fd.get(), &b, 1, 0) <= 0) {
+        return first;
+      }
+    }
+  }
+  FAIL("the exporter kept the connection open");
+  return first;
+}
+
+std::string error_text(const std::optional<received_frame>& f) {
+  if (!f) {
+    return "(no frame)";
+  }
+  const auto* e = std::get_if<error_msg>(&f->body);
+  return e ? e->text : "(not an error)";
+}
+
+}  // namespace
+
+TEST_CASE("exporter: peers that never say hello fill no slot for long") {
+  kv_exporter ex(layout, 64, quick(8));
+  disagg_test::publish_pattern(ex, 1, 100);
+  std::vector<fd_handle> silent;
+  for (int i = 0; i < 8; ++i) {
+    silent.push_back(raw(ex.port()));
+  }
+  std::this_thread::sleep_for(ms(100));
+  // Every connection is taken: a decode node is refused now...
+  CHECK_THROWS_AS(decode_once(ex.port(), 1), oasiskv::error);
+  // ...and served once the silent ones have had their io_timeout.
+  std::this_thread::sleep_for(ms(500));
+  CHECK(decode_once(ex.port(), 1) < ms(2000));
+  CHECK(ex.stats().refused >= 8);
+  for (const fd_handle& fd : silent) {
+    CHECK_FALSE(until_closed(fd).has_value());  // closed without a word
+  }
+}
+
+TEST_CASE("exporter: a peer sending a frame byte by byte does not delay others") {
+  // A long io_timeout: an exporter that waited on the slow frame would stall the decode node
+  // for all of it.
+  exporter_options eo = quick();
+  eo.io_timeout = ms(2000);
+  kv_exporter ex(layout, 64, eo);
+  disagg_test::publish_pattern(ex, 1, 100);
+  const auto hello = encode(hello_msg{disagg_test::token(), "slow"}, 1);
+  fd_handle slow = raw(ex.port());
+  std::atomic<bool> done{false};
+  std::thread dribble([&] {
+    for (std::size_t i = 0; i < hello.size() && !done; ++i) {
+      if (::send(slow.get(), hello.data() + i, 1, MSG_NOSIGNAL) != 1) {
+        break;
+      }
+      std::this_thread::sleep_for(ms(40));
+    }
+  });
+  std::this_thread::sleep_for(ms(50));  // the slow frame is begun
+  const ms took = decode_once(ex.port(), 1);
+  CHECK(took < ms(1500));  // not after the slow peer's io_timeout
+  done = true;
+  dribble.join();
+  until_closed(slow);  // its frame took longer than io_timeout: closed
+  CHECK(ex.stats().refused >= 1);
+}
+
+TEST_CASE("exporter: a huge frame before hello is refused before any of it is read") {
+  kv_exporter ex(layout, 64, quick());
+  disagg_test::publish_pattern(ex, 1, 100);
+  // A valid header announcing a 64 MiB hello, and no payload.
+  std::vector<std::byte> h = encode(hello_msg{disagg_test::token(), "x"}, 7);
+  h.resize(header_bytes);
+  const std::uint32_t big = limits::max_payload;
+  std::memcpy(h.data() + 16, &big, 4);  // payload_bytes (little-endian)
+  fd_handle fd = raw(ex.port());
+  send_bytes(fd, h);
+  const auto reply = until_closed(fd, ms(1000));
+  CHECK(error_text(reply).find("a frame of 67108864 payload bytes before hello") !=
+        std::string::npos);
+  CHECK(decode_once(ex.port(), 1) < ms(2000));
+}
+
+TEST_CASE("exporter: no hello, a wrong token, a second hello: refused and closed") {
+  kv_exporter ex(layout, 64, quick());
+  disagg_test::publish_pattern(ex, 1, 100);
+  {
+    fd_handle fd = raw(ex.port());
+    send_bytes(fd, encode(open_msg{1, 0}, 1));
+    CHECK(error_text(until_closed(fd)).find("no valid token in hello") != std::string::npos);
+  }
+  {
+    fd_handle fd = raw(ex.port());
+    send_bytes(fd, encode(hello_msg{disagg_test::token('z'), "impostor"}, 1));
+    CHECK(error_text(until_closed(fd)).find("no valid token in hello") != std::string::npos);
+  }
+  {
+    fd_handle fd = raw(ex.port());
+    send_bytes(fd, encode(hello_msg{disagg_test::token(), "twice"}, 1));
+    const auto deadline = steady::now() + ms(2000);
+    CHECK(std::holds_alternative<hello_ack_msg>(recv_frame(fd.get(), deadline, "raw").body));
+    send_bytes(fd, encode(hello_msg{disagg_test::token(), "twice"}, 2));
+    CHECK(error_text(until_closed(fd)).find("a second hello") != std::string::npos);
+  }
+  {
+    fd_handle fd = raw(ex.port());  // garbage: a bad magic
+    std::vector<std::byte> junk(header_bytes, std::byte{0x41});
+    send_bytes(fd, junk);
+    CHECK(error_text(until_closed(fd)).find("bad magic") != std::string::npos);
+  }
+  CHECK(decode_once(ex.port(), 1) < ms(2000));
+}
+
+TEST_CASE("exporter: an authenticated peer gone silent is closed after the idle timeout") {
+  exporter_options eo = quick();
+  eo.idle_timeout = ms(300);
+  kv_exporter ex(layout, 64, eo);
+  fd_handle fd = raw(ex.port());
+  send_bytes(fd, encode(hello_msg{disagg_test::token(), "quiet"}, 1));
+  const auto deadline = steady::now() + ms(2000);
+  CHECK(std::holds_alternative<hello_ack_msg>(recv_frame(fd.get(), deadline, "raw").body));
+  const auto t0 = steady::now();
+  CHECK_FALSE(until_closed(fd).has_value());
+  const auto took = std::chrono::duration_cast<ms>(steady::now() - t0);
+  CHECK(took >= ms(250));
+  CHECK(took < ms(1500));
+  CHECK(ex.stats().timed_out == 1);
+}
+
+TEST_CASE("exporter: options that would leave it open to anyone, or never time out, are refused") {
+  exporter_options eo = quick();
+  eo.token = {};
+  expect_error([&] { kv_exporter ex(layout, 8, eo); }, errc::invalid_argument,
+               "exporter_options.token is all zero");
+  eo = quick();
+  eo.lease = ms(0);
+  expect_error([&] { kv_exporter ex(layout, 8, eo); }, errc::invalid_argument,
+               "exporter_options.lease (ms) = 0 must be positive");
+  eo = quick();
+  eo.io_timeout = ms(0);
+  expect_error([&] { kv_exporter ex(layout, 8, eo); }, errc::invalid_argument,
+               "exporter_options.io_timeout (ms) = 0");
+  eo = quick(0);
+  expect_error([&] { kv_exporter ex(layout, 8, eo); }, errc::invalid_argument,
+               "exporter_options.max_connections = 0");
+}
