@@ -5,6 +5,7 @@
 // node still opens and reads a request exactly, without waiting on the others.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -15,6 +16,7 @@
 
 #include "disagg/disagg_support.hpp"
 #include "oasiskv/disagg/ucx_remote_tier.hpp"
+#include "oasiskv/disagg/wire_summary.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 #include "support/expect_error.hpp"
 
@@ -130,7 +132,7 @@ TEST_CASE("exporter: a peer sending a frame byte by byte does not delay others")
   eo.io_timeout = ms(2000);
   kv_exporter ex(layout, 64, eo);
   disagg_test::publish_pattern(ex, 1, 100);
-  const auto hello = encode(hello_msg{disagg_test::token(), "slow"}, 1);
+  const auto hello = encode(hello_msg{{}, "slow", 0}, 1);
   fd_handle slow = raw(ex.port());
   std::atomic<bool> done{false};
   std::thread dribble([&] {
@@ -154,7 +156,7 @@ TEST_CASE("exporter: a huge frame before hello is refused before any of it is re
   kv_exporter ex(layout, 64, quick());
   disagg_test::publish_pattern(ex, 1, 100);
   // A valid header announcing a 64 MiB hello, and no payload.
-  std::vector<std::byte> h = encode(hello_msg{disagg_test::token(), "x"}, 7);
+  std::vector<std::byte> h = encode(hello_msg{{}, "x", 0}, 7);
   h.resize(header_bytes);
   const std::uint32_t big = limits::max_payload;
   std::memcpy(h.data() + 16, &big, 4);  // payload_bytes (little-endian)
@@ -166,26 +168,41 @@ TEST_CASE("exporter: a huge frame before hello is refused before any of it is re
   CHECK(decode_once(ex.port(), 1) < ms(2000));
 }
 
-TEST_CASE("exporter: no hello, a wrong token, a second hello: refused and closed") {
+TEST_CASE("exporter: no hello, a wrong proof, a second handshake: refused and closed") {
   kv_exporter ex(layout, 64, quick());
   disagg_test::publish_pattern(ex, 1, 100);
+  const auto deadline = [] {
+    return steady::now() + ms(2000);
+  };
   {
     fd_handle fd = raw(ex.port());
     send_bytes(fd, encode(open_msg{1, 0}, 1));
-    CHECK(error_text(until_closed(fd)).find("no valid token in hello") != std::string::npos);
+    CHECK(error_text(until_closed(fd)).find("the handshake starts with hello") !=
+          std::string::npos);
+  }
+  {
+    // A peer without the token: it learns a nonce and a proof it cannot check, nothing else.
+    fd_handle fd = raw(ex.port());
+    send_bytes(fd, encode(hello_msg{{}, "impostor", 0}, 1));
+    CHECK(std::holds_alternative<challenge_msg>(recv_frame(fd.get(), deadline(), "raw").body));
+    send_bytes(fd, encode(auth_msg{}, 2));
+    CHECK(error_text(until_closed(fd)).find("no valid proof of the token in auth") !=
+          std::string::npos);
+  }
+  {
+    // A decode node with another token refuses the exporter before sending its own proof.
+    fd_handle fd = raw(ex.port());
+    expect_error(
+        [&] { client_handshake(fd.get(), disagg_test::token('z'), "d", 0, deadline(), "raw"); },
+        errc::invalid_argument, "could not prove the exporter's token: not the exporter");
   }
   {
     fd_handle fd = raw(ex.port());
-    send_bytes(fd, encode(hello_msg{disagg_test::token('z'), "impostor"}, 1));
-    CHECK(error_text(until_closed(fd)).find("no valid token in hello") != std::string::npos);
-  }
-  {
-    fd_handle fd = raw(ex.port());
-    send_bytes(fd, encode(hello_msg{disagg_test::token(), "twice"}, 1));
-    const auto deadline = steady::now() + ms(2000);
-    CHECK(std::holds_alternative<hello_ack_msg>(recv_frame(fd.get(), deadline, "raw").body));
-    send_bytes(fd, encode(hello_msg{disagg_test::token(), "twice"}, 2));
-    CHECK(error_text(until_closed(fd)).find("a second hello") != std::string::npos);
+    const hello_ack_msg ack =
+        client_handshake(fd.get(), disagg_test::token(), "twice", 0, deadline(), "raw");
+    CHECK(ack.num_slots == 64);
+    send_bytes(fd, encode(hello_msg{{}, "twice", 0}, 3));
+    CHECK(error_text(until_closed(fd)).find("a second handshake") != std::string::npos);
   }
   {
     fd_handle fd = raw(ex.port());  // garbage: a bad magic
@@ -193,7 +210,31 @@ TEST_CASE("exporter: no hello, a wrong token, a second hello: refused and closed
     send_bytes(fd, junk);
     CHECK(error_text(until_closed(fd)).find("bad magic") != std::string::npos);
   }
+  CHECK(ex.stats().refused >= 3);
   CHECK(decode_once(ex.port(), 1) < ms(2000));
+}
+
+TEST_CASE("decode node: an impostor at the exporter's address gets no token and no trust") {
+  // A listener that answers the handshake without the token: the decode node refuses it, and
+  // what it sent never carried the token.
+  std::uint16_t port = 0;
+  fd_handle listener = listen_tcp("127.0.0.1", 0, port);
+  std::vector<std::byte> seen;
+  std::thread impostor([&] {
+    fd_handle c(::accept(listener.get(), nullptr, nullptr));
+    const auto d = steady::now() + ms(2000);
+    received_frame f = recv_frame(c.get(), d, "impostor");
+    seen = encode(f.body, 1);
+    send_all(c.get(), encode(challenge_msg{}, 1), d, "impostor");
+    std::byte b;
+    ::recv(c.get(), &b, 1, 0);  // until the decode node hangs up
+  });
+  ucx_engine engine({ms(10000), 128});
+  expect_error([&] { ucx_remote_tier tier(engine, client(port)); }, errc::invalid_argument,
+               "could not prove the exporter's token: not the exporter");
+  impostor.join();
+  const auto t = disagg_test::token();
+  CHECK(std::search(seen.begin(), seen.end(), t.begin(), t.end()) == seen.end());
 }
 
 TEST_CASE("exporter: an authenticated peer gone silent is closed after the idle timeout") {
@@ -201,9 +242,7 @@ TEST_CASE("exporter: an authenticated peer gone silent is closed after the idle 
   eo.idle_timeout = ms(300);
   kv_exporter ex(layout, 64, eo);
   fd_handle fd = raw(ex.port());
-  send_bytes(fd, encode(hello_msg{disagg_test::token(), "quiet"}, 1));
-  const auto deadline = steady::now() + ms(2000);
-  CHECK(std::holds_alternative<hello_ack_msg>(recv_frame(fd.get(), deadline, "raw").body));
+  client_handshake(fd.get(), disagg_test::token(), "quiet", 0, steady::now() + ms(2000), "raw");
   const auto t0 = steady::now();
   CHECK_FALSE(until_closed(fd).has_value());
   const auto took = std::chrono::duration_cast<ms>(steady::now() - t0);
@@ -228,4 +267,34 @@ TEST_CASE("exporter: options that would leave it open to anyone, or never time o
   eo = quick(0);
   expect_error([&] { kv_exporter ex(layout, 8, eo); }, errc::invalid_argument,
                "exporter_options.max_connections = 0");
+}
+
+TEST_CASE("exporter: summaries arrive in chunks, so no frame bounds a prompt's length") {
+  // 4 KiB chunks: a 100-token request's 2 x 7 summaries of 512 bytes take two frames after the
+  // opened one. (Llama-3-8B at 8k tokens: 65.5 MB of summaries, over one frame's 64 MiB, now
+  // four 16 MiB chunks.)
+  exporter_options eo = quick();
+  eo.summary_chunk_bytes = 4096;
+  kv_exporter ex(layout, 64, eo);
+  disagg_test::publish_pattern(ex, 1, 100);
+  ucx_engine engine({ms(10000), 128});
+  ucx_remote_tier tier(engine, client(ex.port()));
+  const opened_msg o = tier.open(1, true);
+  const std::size_t sb = summary_bytes(layout);
+  REQUIRE(o.summaries.size() == o.blocks.size() * sb);
+  REQUIRE(o.summaries.size() > 4096);  // more than one chunk
+  std::vector<std::byte> block(layout.block_bytes()), want(sb);
+  for (std::size_t i = 0; i < o.blocks.size(); ++i) {
+    const auto l = static_cast<std::uint32_t>(i / o.blocks_per_layer);
+    const auto b = static_cast<std::uint32_t>(i % o.blocks_per_layer);
+    disagg_test::fill_block(block.data(), 1, l, b, block.size());
+    const std::uint32_t filled =
+        b + 1 < o.blocks_per_layer ? layout.tokens_per_block : 100 - b * layout.tokens_per_block;
+    summarize_block(layout, block.data(), filled, want.data());
+    CHECK(std::memcmp(o.summaries.data() + i * sb, want.data(), sb) == 0);
+  }
+  tier.release(1);
+  eo.summary_chunk_bytes = limits::max_summary_chunk + 1;
+  expect_error([&] { kv_exporter bad(layout, 8, eo); }, errc::invalid_argument,
+               "exporter_options.summary_chunk_bytes");
 }

@@ -9,7 +9,9 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "disagg/disagg_support.hpp"
@@ -112,13 +114,29 @@ void exporter_failure(int sig, const char* expect_in_message) {
   CHECK(tb.heartbeat() == 1);
 }
 
-// A raw control session: hello, then `m`; returns the reply.
+// Waits until `pid` is stopped (a signal is delivered asynchronously: kill returns before the
+// process has stopped).
+bool stopped(pid_t pid) {
+  const auto until = std::chrono::steady_clock::now() + ms(2000);
+  while (std::chrono::steady_clock::now() < until) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'T') {
+      return true;
+    }
+    std::this_thread::sleep_for(ms(1));
+  }
+  return false;
+}
+
+// A raw control session: the handshake, then `m`; returns the reply.
 message raw_call(std::uint16_t port, const message& m) {
   fd_handle fd = connect_tcp("127.0.0.1", port, ms(2000));
   const auto deadline = steady::now() + ms(2000);
-  send_all(fd.get(), encode(hello_msg{disagg_test::token(), "raw"}, 1), deadline, "raw");
-  recv_frame(fd.get(), deadline, "raw");
-  send_all(fd.get(), encode(m, 2), deadline, "raw");
+  client_handshake(fd.get(), disagg_test::token(), "raw", 0, deadline, "raw");
+  send_all(fd.get(), encode(m, 3), deadline, "raw");
   return recv_frame(fd.get(), deadline, "raw").body;
 }
 
@@ -160,5 +178,51 @@ TEST_SUITE("failure") {
     const auto c = table(o, 0, o.blocks.size());
     engine.wait(engine.submit(tier, local, c));
     CHECK(exact(local, o, c));
+  }
+
+  TEST_CASE("a control-channel timeout: the tier reconnects, keeps its leases, drops the open") {
+    // The exporter stops (SIGSTOP) while an open is under way, past the control channel's
+    // timeout: the call fails, and its late answer is never read as another call's. The next
+    // call reopens the channel and resumes the session: the request opened before still reads
+    // exactly, and the open the tier gave up on is released by that heartbeat instead of
+    // staying leased.
+    disagg_test::child ex;
+    const std::uint16_t port = start(ex, 1);
+    ucx_engine engine({ms(10000), 128});
+    remote_tier_options o = client(port, "decode");
+    o.io_timeout = ms(300);
+    o.heartbeat = false;
+    ucx_remote_tier tier(engine, o);
+    const opened_msg first = tier.open(1, false);
+    ::kill(ex.pid, SIGSTOP);
+    REQUIRE(stopped(ex.pid));
+    std::thread resume([&] {
+      std::this_thread::sleep_for(ms(400));
+      ::kill(ex.pid, SIGCONT);
+    });
+    bool gave_up = false;
+    try {
+      tier.open(2, false);
+    } catch (const oasiskv::error&) {
+      gave_up = true;  // the exporter leases it once it runs again
+    }
+    resume.join();
+    REQUIRE(gave_up);
+    std::this_thread::sleep_for(ms(200));  // the exporter answers, too late
+    CHECK(tier.heartbeat() == 1);          // reconnected: request 1's lease is this session's again
+    CHECK(tier.reconnects() == 1);
+    host_tier local(layout, first.blocks.size());
+    const auto c = table(first, 0, first.blocks.size());
+    engine.wait(engine.submit(tier, local, c));
+    CHECK(exact(local, first, c));
+    // Request 2 was freed as abandoned, not left leased to this decode node for good.
+    ucx_remote_tier other(engine, client(port, "other"));
+    try {
+      other.open(2, false);
+      FAIL("the abandoned open should have been released");
+    } catch (const oasiskv::error& e) {
+      CHECK(e.code() == errc::unknown_sequence);
+    }
+    tier.release(1);
   }
 }

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "oasiskv/disagg/protocol.hpp"
@@ -38,23 +40,35 @@ opened_msg sample_opened(std::uint32_t tokens = 40) {
     o.blocks.push_back({i, 1 + i});
   }
   o.summary_bytes = static_cast<std::uint32_t>(summary_bytes(layout));
-  o.summaries.assign(o.blocks.size() * o.summary_bytes, std::byte{9});
-  return o;
+  return o;  // the summaries travel in summary_chunk frames
 }
 
 std::vector<message> samples() {
   hello_msg h;
-  h.token[0] = std::byte{1};
+  h.nonce[0] = std::byte{1};
   h.client = "decode-0";
+  h.resume_session = 77;
+  challenge_msg c;
+  c.nonce[3] = std::byte{4};
+  c.proof[5] = std::byte{6};
+  auth_msg a;
+  a.proof[31] = std::byte{8};
+  summary_chunk_msg sc;
+  sc.seq = 3;
+  sc.offset = 4096;
+  sc.bytes.assign(100, std::byte{9});
   return {h,
           sample_ack(),
           open_msg{3, 1},
           sample_opened(),
-          heartbeat_msg{},
-          heartbeat_ack_msg{500, 2},
+          heartbeat_msg{{3, 5, 8}},
+          heartbeat_ack_msg{500, 2, 1},
           release_msg{3},
           released_msg{3},
-          error_msg{static_cast<std::uint32_t>(errc::unknown_sequence), "no such request"}};
+          error_msg{static_cast<std::uint32_t>(errc::unknown_sequence), "no such request"},
+          c,
+          a,
+          sc};
 }
 
 message round_trip(const message& m, std::uint64_t id = 42) {
@@ -92,7 +106,7 @@ TEST_CASE("headers are validated before the payload is read") {
   bytes[0] = std::byte{0};  // magic
   CHECK(code_of(header) == errc::invalid_argument);
   bytes = encode(heartbeat_msg{}, 1);
-  bytes[4] = std::byte{2};  // version 2
+  bytes[4] = std::byte{static_cast<unsigned char>(protocol_version + 1)};  // a newer version
   CHECK(code_of(header) == errc::unsupported);
   bytes = encode(heartbeat_msg{}, 1);
   bytes[6] = std::byte{99};  // type
@@ -130,8 +144,19 @@ TEST_CASE("inconsistent sizes and layouts are refused") {
   a.arena.rkey.clear();
   CHECK_THROWS_AS(round_trip(a), oasiskv::error);
   opened_msg o = sample_opened();
-  o.summaries.pop_back();
-  CHECK_THROWS_AS(round_trip(o), oasiskv::error);
+  o.summaries.assign(8, std::byte{1});  // summaries belong in summary_chunk frames
+  CHECK(code_of([&] { round_trip(o); }) == errc::invalid_argument);
+  a = sample_ack();
+  a.num_slots = 0xffffffffu;  // a decode node would keep state for 4G slots
+  a.arena.length = ~std::uint64_t{0};
+  a.generations.length = ~std::uint64_t{0};
+  CHECK(code_of([&] { round_trip(a); }) == errc::invalid_argument);
+  summary_chunk_msg big;
+  big.bytes.assign(limits::max_summary_chunk + 1, std::byte{0});
+  CHECK(code_of([&] { encode(big, 1); }) == errc::capacity_exceeded);
+  heartbeat_msg many;
+  many.seqs.assign(limits::max_leases + 1, 1);
+  CHECK(code_of([&] { encode(many, 1); }) == errc::capacity_exceeded);
   // A block count that would need gigabytes: refused from the counts, before any allocation.
   std::vector<std::byte> huge;
   wire_writer w(huge);
@@ -146,9 +171,9 @@ TEST_CASE("an opened table must stay inside the registered arena") {
   const hello_ack_msg a = sample_ack();
   opened_msg o = sample_opened();
   CHECK_NOTHROW(validate_opened(o, a, 3, true));
-  CHECK_THROWS_AS(validate_opened(o, a, 4, true), oasiskv::error);  // another request
-  CHECK_THROWS_AS(validate_opened(o, a, 3, false), oasiskv::error);
-  o.blocks[1].slot = a.num_slots;  // one past the arena
+  CHECK_THROWS_AS(validate_opened(o, a, 4, true), oasiskv::error);   // another request
+  CHECK_THROWS_AS(validate_opened(o, a, 3, false), oasiskv::error);  // summaries not asked for
+  o.blocks[1].slot = a.num_slots;                                    // one past the arena
   CHECK(code_of([&] { validate_opened(o, a, 3, true); }) == errc::invalid_slot);
   o = sample_opened();
   o.blocks[1].slot = o.blocks[0].slot;  // twice
@@ -165,13 +190,73 @@ TEST_CASE("random bytes never crash the parser") {
     for (auto& b : payload) {
       b = static_cast<std::byte>(rng());
     }
-    const auto type = static_cast<msg_type>(1 + rng() % 9);
+    const auto type = static_cast<msg_type>(1 + rng() % 12);
     try {
       const message m = parse_payload(type, payload);
       CHECK(encode(m, 1).size() == header_bytes + payload.size());
     } catch (const oasiskv::error&) {
     }
   }
+}
+
+TEST_CASE("SHA-256 and HMAC-SHA-256 match FIPS 180-4 and RFC 4231") {
+  auto hex = [](const detail::digest& d) {
+    std::string s;
+    for (const std::byte b : d) {
+      static constexpr char digits[] = "0123456789abcdef";
+      s += digits[std::to_integer<int>(b) >> 4];
+      s += digits[std::to_integer<int>(b) & 15];
+    }
+    return s;
+  };
+  auto bytes = [](const std::string& t) {
+    return std::as_bytes(std::span(t.data(), t.size()));
+  };
+  CHECK(hex(detail::sha256().update(bytes("abc")).finish()) ==
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(hex(detail::sha256().update(bytes("")).finish()) ==
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(hex(detail::sha256()
+                .update(bytes("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"))
+                .finish()) == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  const std::string million(1000000, 'a');
+  CHECK(hex(detail::sha256().update(bytes(million)).finish()) ==
+        "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  const std::vector<std::byte> k1(20, std::byte{0x0b});
+  CHECK(hex(detail::hmac_sha256(k1, {bytes("Hi There")})) ==
+        "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  CHECK(
+      hex(detail::hmac_sha256(bytes("Jefe"), {bytes("what do ya want "), bytes("for nothing?")})) ==
+      "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  const std::vector<std::byte> k6(131, std::byte{0xaa});
+  CHECK(hex(detail::hmac_sha256(
+            k6, {bytes("Test Using Larger Than Block-Size Key - Hash Key First")})) ==
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+}
+
+TEST_CASE("the handshake's proofs bind the token, both nonces and every hello_ack field") {
+  std::array<std::byte, token_bytes> t{}, other{};
+  t.fill(std::byte{1});
+  other.fill(std::byte{2});
+  nonce_type n1{}, n2{};
+  n1[0] = std::byte{1};
+  n2[0] = std::byte{2};
+  const auto p = exporter_proof(t, n1, n2);
+  CHECK(p != exporter_proof(other, n1, n2));
+  CHECK(p != exporter_proof(t, n2, n1));
+  CHECK(p != decode_proof(t, n1, n2));  // one side's proof never stands for the other's
+  const hello_ack_msg a = sample_ack();
+  const auto mac = hello_ack_mac(t, n1, n2, a);
+  hello_ack_msg changed = a;
+  changed.worker_address[7] = std::byte{0};
+  CHECK(mac != hello_ack_mac(t, n1, n2, changed));
+  changed = a;
+  changed.arena.rkey[0] = std::byte{0};
+  CHECK(mac != hello_ack_mac(t, n1, n2, changed));
+  changed = a;
+  changed.mac[0] = std::byte{1};  // the MAC itself is not covered
+  CHECK(mac == hello_ack_mac(t, n1, n2, changed));
+  CHECK(mac != hello_ack_mac(t, n2, n1, a));
 }
 
 TEST_CASE("a summary bounds every key's dot product") {

@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <thread>
@@ -36,9 +37,9 @@ namespace oasiskv::disagg {
 using token_type = std::array<std::byte, token_bytes>;
 
 struct exporter_options {
-  std::string address = "127.0.0.1";       //!< control channel; loopback unless told otherwise
-  std::uint16_t port = 0;                  //!< 0: any free port (see `kv_exporter::port()`)
-  token_type token{};                      //!< a decode node must present it in `hello`
+  std::string address = "127.0.0.1";  //!< control channel; loopback unless told otherwise
+  std::uint16_t port = 0;             //!< 0: any free port (see `kv_exporter::port()`)
+  token_type token{};  //!< the shared secret a decode node proves in the handshake (never sent)
   std::chrono::milliseconds lease{30000};  //!< a lease lapses unless extended by heartbeats
   std::uint32_t max_connections = 64;
   //! A connection must present a valid `hello` within this long of connecting, and a frame once
@@ -48,6 +49,8 @@ struct exporter_options {
   //! An authenticated connection that sends nothing for this long is closed (decode nodes
   //! heartbeat every lease / 3). 0: twice the lease.
   std::chrono::milliseconds idle_timeout{0};
+  //! Summary bytes per `summary_chunk` frame after an `opened`; 0: `limits::max_summary_chunk`.
+  std::uint32_t summary_chunk_bytes = 0;
   //! How long the progress thread keeps polling UCX after its last event before it sleeps on
   //! the worker's event descriptor: longer answers a burst of gets sooner, shorter leaves the
   //! prefill node's cores to prefill.
@@ -59,10 +62,15 @@ struct exporter_options {
 };
 
 struct exporter_stats {
+  //! `refused`: connections turned away at accept (`max_connections`) or closed before the
+  //! handshake completed (no or a bad proof, a frame too large, silence past `io_timeout`).
   std::uint64_t opens = 0, releases = 0, leases_expired = 0, refused = 0, bad_messages = 0;
   //! Authenticated connections closed for holding the exporter: silence past the idle timeout, a
   //! frame begun and not finished, or a reply not taken, within `io_timeout`.
   std::uint64_t timed_out = 0;
+  //! Leases released because the decode node no longer named them in a heartbeat (an open it
+  //! gave up on), and leases a reconnected decode node took back from its lost session.
+  std::uint64_t abandoned = 0, resumed = 0;
   std::uint64_t freed_requests = 0;
   //! Sleeps of the progress thread when idle (on the worker's event descriptor, or naps without
   //! `exporter_options::wakeup`), and how many of them UCX ended (a get or message arrived)
@@ -220,6 +228,11 @@ class kv_exporter {
     std::size_t out_sent = 0;
     steady::time_point out_since{};
     bool closing = false;  // close once `out` is sent (a refusal, a protocol violation)
+    // The handshake.
+    bool challenged = false;
+    nonce_type hello_nonce{}, challenge_nonce{};
+    std::string client;
+    std::uint64_t resume = 0;
   };
   // Payload bytes a frame may carry before its connection has presented a valid hello: a hello
   // is a token and a name.
@@ -260,6 +273,9 @@ class kv_exporter {
     }
     if (o.max_connections == 0) {
       bad("max_connections", o.max_connections);
+    }
+    if (o.summary_chunk_bytes > limits::max_summary_chunk) [[unlikely]] {
+      bad("summary_chunk_bytes", o.summary_chunk_bytes, " must be at most 16 MiB (0: 16 MiB)");
     }
     if (std::all_of(o.token.begin(), o.token.end(), [](std::byte b) { return b == std::byte{0}; }))
         [[unlikely]] {
@@ -331,6 +347,7 @@ class kv_exporter {
 
   void control_loop() {
     std::vector<connection> conns;
+    conns_ = &conns;
     std::vector<pollfd> fds;
     while (!stop_.load()) {
       // Nothing a peer sends or fails to take may end this thread: a connection whose service
@@ -361,6 +378,14 @@ class kv_exporter {
           }
         }
         expire_connections(conns);
+        for (const connection& c : conns) {
+          if (!c.fd && c.session != 0) {
+            live_sessions_.erase(c.session);  // its leases stay until they lapse or it resumes
+          } else if (!c.fd) {
+            std::lock_guard lock(mutex_);
+            ++stats_.refused;  // closed before the handshake completed, for whatever reason
+          }
+        }
         std::erase_if(conns, [](const connection& c) { return !c.fd; });
         reap_leases();
       } catch (const std::exception&) {
@@ -403,8 +428,10 @@ class kv_exporter {
       const bool stuck_reply = c.out.size() > c.out_sent && now - c.out_since > options_.io_timeout;
       const bool idle = c.session != 0 && now - c.last_frame > idle_timeout();
       if (no_hello || slow_frame || stuck_reply || idle) {
-        std::lock_guard lock(mutex_);
-        ++(no_hello ? stats_.refused : stats_.timed_out);
+        if (c.session != 0) {
+          std::lock_guard lock(mutex_);
+          ++stats_.timed_out;  // (unauthenticated ones count as refused when they close)
+        }
         c.fd.reset();
       }
     }
@@ -494,7 +521,9 @@ class kv_exporter {
   // Answers a frame it could not take with an error and closes the connection after it.
   void refuse(connection& c, const error& e, std::uint64_t id, bool unauthenticated) {
     std::lock_guard lock(mutex_);
-    ++(unauthenticated ? stats_.refused : stats_.bad_messages);
+    if (!unauthenticated && c.session != 0) {
+      ++stats_.bad_messages;  // (unauthenticated ones count as refused when they close)
+    }
     queue_reply(c, error_msg{static_cast<std::uint32_t>(e.code()), e.what()}, id);
     c.closing = true;
   }
@@ -502,18 +531,94 @@ class kv_exporter {
   // Serves one whole frame: the state is read and changed under the lock, the reply is encoded
   // and sent after it (a slow reader never holds the lock).
   void serve(connection& c, const received_frame& f) {
-    message reply_msg;
+    std::vector<message> replies;
     try {
-      if (!dispatch(c, f, reply_msg)) {
+      if (!dispatch(c, f, replies)) {
         c.closing = true;
       }
     } catch (const error& e) {
-      reply_msg = error_msg{static_cast<std::uint32_t>(e.code()), e.what()};
+      replies.assign(1, error_msg{static_cast<std::uint32_t>(e.code()), e.what()});
       if (e.code() == errc::invalid_argument) {
         c.closing = true;  // a protocol violation ends the session
       }
     }
-    queue_reply(c, reply_msg, f.header.request_id);
+    for (const message& m : replies) {
+      queue_reply(c, m, f.header.request_id);
+    }
+  }
+
+  std::size_t summary_chunk_bytes() const noexcept {
+    return options_.summary_chunk_bytes == 0 ? limits::max_summary_chunk
+                                             : options_.summary_chunk_bytes;
+  }
+
+  // The handshake (see protocol.hpp): hello -> challenge, auth -> hello_ack. False refuses.
+  bool handshake(connection& c, const received_frame& f, std::vector<message>& out) {
+    auto refuse_with = [&](const char* why) {
+      out.push_back(error_msg{static_cast<std::uint32_t>(errc::invalid_argument),
+                              std::string("oasiskv: kv_exporter: refused: ") + why});
+      return false;
+    };
+    if (!c.challenged) {
+      const auto* h = std::get_if<hello_msg>(&f.body);
+      if (h == nullptr) {
+        return refuse_with("the handshake starts with hello");
+      }
+      c.hello_nonce = h->nonce;
+      c.client = h->client;
+      c.resume = h->resume_session;
+      detail::random_bytes(c.challenge_nonce);
+      c.challenged = true;
+      out.push_back(challenge_msg{
+          c.challenge_nonce, exporter_proof(options_.token, c.hello_nonce, c.challenge_nonce)});
+      return true;
+    }
+    const auto* a = std::get_if<auth_msg>(&f.body);
+    if (a == nullptr) {
+      return refuse_with("the handshake continues with auth");
+    }
+    if (!detail::digests_equal(a->proof,
+                               decode_proof(options_.token, c.hello_nonce, c.challenge_nonce))) {
+      return refuse_with("no valid proof of the token in auth");
+    }
+    do {
+      std::array<std::byte, 8> b;
+      detail::random_bytes(b);
+      std::memcpy(&c.session, b.data(), 8);
+    } while (c.session == 0 || live_sessions_.contains(c.session));
+    live_sessions_.insert(c.session);
+    c.peer = c.client + " (session " + std::to_string(c.session) + ")";
+    if (c.resume != 0 && c.resume != c.session) {
+      // A decode node back after giving up its connection keeps its leases. Its old connection
+      // may not look closed here yet: the resume says it is abandoned, so close it now.
+      if (live_sessions_.contains(c.resume)) {
+        for (connection& old : *conns_) {
+          if (old.session == c.resume && old.fd) {
+            old.fd.reset();
+          }
+        }
+        live_sessions_.erase(c.resume);
+      }
+      std::lock_guard lock(mutex_);
+      for (auto& [seq, r] : requests_) {
+        if (r.owner == c.resume) {
+          r.owner = c.session;
+          ++stats_.resumed;
+        }
+      }
+    }
+    hello_ack_msg ack;
+    ack.session = c.session;
+    ack.lease_ms = static_cast<std::uint32_t>(options_.lease.count());
+    ack.layout = layout();
+    ack.num_slots = arena_.num_slots();
+    ack.slot_bytes = arena_.slot_bytes();
+    ack.arena = {arena_reg_.base(), arena_reg_.length(), arena_reg_.rkey()};
+    ack.generations = {gen_reg_.base(), gen_reg_.length(), gen_reg_.rkey()};
+    ack.worker_address = worker_address_;
+    ack.mac = hello_ack_mac(options_.token, c.hello_nonce, c.challenge_nonce, ack);
+    out.push_back(std::move(ack));
+    return true;
   }
 
   void queue_reply(connection& c, const message& m, std::uint64_t id) {
@@ -552,46 +657,54 @@ class kv_exporter {
     }
   }
 
-  // Computes the reply to `f` into `out`; false closes the connection after it.
-  bool dispatch(connection& c, const received_frame& f, message& out) {
+  // Computes the replies to `f` into `out`; false closes the connection after them.
+  bool dispatch(connection& c, const received_frame& f, std::vector<message>& out) {
     if (c.session == 0) {
-      const auto* h = std::get_if<hello_msg>(&f.body);
-      if (h == nullptr || !token_matches(h->token)) {
-        std::lock_guard lock(mutex_);
-        ++stats_.refused;
-        out = error_msg{static_cast<std::uint32_t>(errc::invalid_argument),
-                        "oasiskv: kv_exporter: refused: no valid token in hello"};
-        return false;
-      }
-      c.session = next_session_.fetch_add(1);
-      c.peer = h->client + " (session " + std::to_string(c.session) + ")";
-      hello_ack_msg a;
-      a.session = c.session;
-      a.lease_ms = static_cast<std::uint32_t>(options_.lease.count());
-      a.layout = layout();
-      a.num_slots = arena_.num_slots();
-      a.slot_bytes = arena_.slot_bytes();
-      a.arena = {arena_reg_.base(), arena_reg_.length(), arena_reg_.rkey()};
-      a.generations = {gen_reg_.base(), gen_reg_.length(), gen_reg_.rkey()};
-      a.worker_address = worker_address_;
-      out = std::move(a);
-      return true;
+      return handshake(c, f, out);
     }
-    if (std::holds_alternative<hello_msg>(f.body)) [[unlikely]] {
-      oasiskv::detail::raise(errc::invalid_argument, "kv_exporter: a second hello from ", c.peer);
+    if (std::holds_alternative<hello_msg>(f.body) || std::holds_alternative<auth_msg>(f.body))
+        [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "kv_exporter: a second handshake from ",
+                             c.peer);
     }
     if (const auto* o = std::get_if<open_msg>(&f.body)) {
-      out = open_request(c, *o);
-    } else if (std::holds_alternative<heartbeat_msg>(f.body)) {
+      opened_msg m = open_request(c, *o);
+      std::vector<std::byte> summaries = std::move(m.summaries);
+      m.summaries.clear();
+      out.push_back(std::move(m));
+      // The summaries follow in chunks, so no frame limit bounds the prompt's length.
+      for (std::size_t at = 0; at < summaries.size(); at += summary_chunk_bytes()) {
+        const std::size_t n = std::min<std::size_t>(summary_chunk_bytes(), summaries.size() - at);
+        summary_chunk_msg chunk;
+        chunk.seq = o->seq;
+        chunk.offset = at;
+        chunk.bytes.assign(summaries.begin() + static_cast<std::ptrdiff_t>(at),
+                           summaries.begin() + static_cast<std::ptrdiff_t>(at + n));
+        out.push_back(std::move(chunk));
+      }
+    } else if (const auto* hb = std::get_if<heartbeat_msg>(&f.body)) {
+      // Extends the leases the decode node names; releases the others of its session (opens
+      // whose replies it gave up on).
+      const std::set<std::uint64_t> held(hb->seqs.begin(), hb->seqs.end());
       std::lock_guard lock(mutex_);
-      std::uint32_t n = 0;
+      std::uint32_t extended = 0;
+      std::vector<std::uint64_t> abandoned;
       for (auto& [seq, r] : requests_) {
         if (r.owner == c.session) {
-          r.expiry = steady::now() + options_.lease;
-          ++n;
+          if (held.contains(seq)) {
+            r.expiry = steady::now() + options_.lease;
+            ++extended;
+          } else {
+            abandoned.push_back(seq);
+          }
         }
       }
-      out = heartbeat_ack_msg{static_cast<std::uint32_t>(options_.lease.count()), n};
+      for (const std::uint64_t seq : abandoned) {
+        free_request(seq);
+        ++stats_.abandoned;
+      }
+      out.push_back(heartbeat_ack_msg{static_cast<std::uint32_t>(options_.lease.count()), extended,
+                                      static_cast<std::uint32_t>(abandoned.size())});
     } else if (const auto* r = std::get_if<release_msg>(&f.body)) {
       std::lock_guard lock(mutex_);
       auto it = requests_.find(r->seq);
@@ -601,7 +714,7 @@ class kv_exporter {
       }
       free_request(r->seq);
       ++stats_.releases;
-      out = released_msg{r->seq};
+      out.push_back(released_msg{r->seq});
     } else {
       oasiskv::detail::raise(errc::invalid_argument, "kv_exporter: unexpected message type ",
                              static_cast<std::uint16_t>(f.header.type), " from ", c.peer);
@@ -656,14 +769,6 @@ class kv_exporter {
     }
   }
 
-  bool token_matches(const token_type& t) const noexcept {
-    unsigned char diff = 0;  // constant time: no early exit an attacker could time
-    for (std::size_t i = 0; i < t.size(); ++i) {
-      diff |= static_cast<unsigned char>(t[i] ^ options_.token[i]);
-    }
-    return diff == 0;
-  }
-
   exporter_options options_;
   host_tier arena_;
   free_list_allocator slots_;
@@ -680,7 +785,8 @@ class kv_exporter {
   mutable std::mutex mutex_;
   std::map<std::uint64_t, request> requests_;
   exporter_stats stats_{};
-  std::atomic<std::uint64_t> next_session_{1};
+  std::set<std::uint64_t> live_sessions_;     // sessions with a connection (control thread only)
+  std::vector<connection>* conns_ = nullptr;  // the control thread's connections
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> sleeps_{0}, wakeups_{0};  // the progress thread's
   std::thread progress_;

@@ -5,8 +5,15 @@
 //!
 //! A frame is a 24-byte header (magic "OKVC", version, type, request id, payload length, a zero
 //! reserved word) and a payload of at most `limits::max_payload` bytes. The request id is the
-//! caller's correlation id; a reply echoes it. The decode node speaks first (`hello`, carrying the
-//! exporter's shared token); anything else before a valid `hello` closes the connection.
+//! caller's correlation id; a reply echoes it (an `opened` is followed by `summary_chunk` frames
+//! with the same id, so no frame bounds a prompt's length).
+//!
+//! The handshake proves the shared token both ways without sending it: `hello` (the decode
+//! node's nonce) -> `challenge` (the exporter's nonce and its proof, an HMAC-SHA-256 of both
+//! nonces under the token) -> `auth` (the decode node's proof) -> `hello_ack`, whose fields
+//! carry an HMAC under the token and both nonces, so the decode node passes a UCX worker address
+//! and rkeys to UCX only from a peer that holds the token. Anything else before the handshake
+//! completes closes the connection.
 #pragma once
 
 #include <array>
@@ -19,12 +26,13 @@
 
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
+#include "oasiskv/disagg/hmac.hpp"
 #include "oasiskv/disagg/wire.hpp"
 
 namespace oasiskv::disagg {
 
 inline constexpr std::uint32_t protocol_magic = 0x43564b4fu;  // "OKVC" in little-endian bytes
-inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::uint16_t protocol_version = 2;
 inline constexpr std::size_t header_bytes = 24;
 inline constexpr std::size_t token_bytes = 32;
 
@@ -37,18 +45,27 @@ struct limits {
   static constexpr std::size_t max_name = 256;
   static constexpr std::size_t max_error_text = 4096;
   static constexpr std::uint32_t max_blocks = 1u << 22;  //!< (layer, block) entries per request
+  //! Slots of an exporter's arena: the decode node keeps state per slot.
+  static constexpr std::uint32_t max_slots = 1u << 24;
+  //! Requests one heartbeat names.
+  static constexpr std::uint32_t max_leases = 1u << 16;
+  //! Summary bytes one `summary_chunk` frame carries.
+  static constexpr std::uint32_t max_summary_chunk = 16u << 20;
 };
 
 enum class msg_type : std::uint16_t {
-  hello = 1,      //!< decode -> exporter: token, client name
-  hello_ack,      //!< exporter -> decode: session, layout, regions, rkeys, worker address
+  hello = 1,      //!< decode -> exporter: nonce, client name, a session to resume
+  hello_ack,      //!< exporter -> decode: session, layout, regions, rkeys, worker address, MAC
   open,           //!< decode -> exporter: lease a request's blocks and describe them
-  opened,         //!< exporter -> decode: block table, generations, summaries
-  heartbeat,      //!< decode -> exporter: extend every lease of this session
+  opened,         //!< exporter -> decode: block table, generations (summaries follow in chunks)
+  heartbeat,      //!< decode -> exporter: the requests it holds (their leases are extended)
   heartbeat_ack,  //!< exporter -> decode
   release,        //!< decode -> exporter: done with a request
   released,       //!< exporter -> decode
   error,          //!< either way: a refusal, with an `errc` and a message
+  challenge,      //!< exporter -> decode: its nonce and its proof of the token
+  auth,           //!< decode -> exporter: the decode node's proof of the token
+  summary_chunk,  //!< exporter -> decode: part of an opened request's summaries
 };
 
 struct frame_header {
@@ -65,10 +82,24 @@ struct region_desc {
   friend bool operator==(const region_desc&, const region_desc&) = default;
 };
 
+inline constexpr std::size_t nonce_bytes = 32;
+using nonce_type = std::array<std::byte, nonce_bytes>;
+using proof_type = std::array<std::byte, 32>;  //!< an HMAC-SHA-256
+
 struct hello_msg {
-  std::array<std::byte, token_bytes> token{};
+  nonce_type nonce{};
   std::string client;
+  std::uint64_t resume_session = 0;  //!< a session whose connection was lost; 0: none
   friend bool operator==(const hello_msg&, const hello_msg&) = default;
+};
+struct challenge_msg {
+  nonce_type nonce{};
+  proof_type proof{};  //!< HMAC(token, "oasiskv exporter" | hello nonce | this nonce)
+  friend bool operator==(const challenge_msg&, const challenge_msg&) = default;
+};
+struct auth_msg {
+  proof_type proof{};  //!< HMAC(token, "oasiskv decode" | challenge nonce | hello nonce)
+  friend bool operator==(const auth_msg&, const auth_msg&) = default;
 };
 struct hello_ack_msg {
   std::uint64_t session = 0;
@@ -79,6 +110,8 @@ struct hello_ack_msg {
   region_desc arena;        //!< the KV slots: slot s at arena.base + s * slot_bytes
   region_desc generations;  //!< one little-endian u64 per slot
   std::vector<std::byte> worker_address;
+  //! HMAC(token, "oasiskv hello_ack" | hello nonce | challenge nonce | the fields above).
+  proof_type mac{};
   friend bool operator==(const hello_ack_msg&, const hello_ack_msg&) = default;
 };
 struct open_msg {
@@ -97,17 +130,29 @@ struct opened_msg {
   std::uint32_t tokens = 0;
   std::uint32_t num_layers = 0;
   std::uint32_t blocks_per_layer = 0;
-  std::vector<block_entry> blocks;   //!< [num_layers][blocks_per_layer]
-  std::uint32_t summary_bytes = 0;   //!< per block; 0 when none were asked for
-  std::vector<std::byte> summaries;  //!< [num_layers][blocks_per_layer][summary_bytes]
+  std::vector<block_entry> blocks;  //!< [num_layers][blocks_per_layer]
+  std::uint32_t summary_bytes = 0;  //!< per block; 0 when none were asked for
+  //! [num_layers][blocks_per_layer][summary_bytes]: not on the wire in `opened` (it must be
+  //! empty there) but in the `summary_chunk` frames that follow; the decode node assembles it.
+  std::vector<std::byte> summaries;
   friend bool operator==(const opened_msg&, const opened_msg&) = default;
 };
+struct summary_chunk_msg {
+  std::uint64_t seq = 0;
+  std::uint64_t offset = 0;      //!< into the request's summaries
+  std::vector<std::byte> bytes;  //!< at most `limits::max_summary_chunk`
+  friend bool operator==(const summary_chunk_msg&, const summary_chunk_msg&) = default;
+};
 struct heartbeat_msg {
+  //! Every request the decode node holds from this exporter: their leases are extended, and any
+  //! other lease of the session (an open whose reply it never took) is released.
+  std::vector<std::uint64_t> seqs;
   friend bool operator==(const heartbeat_msg&, const heartbeat_msg&) = default;
 };
 struct heartbeat_ack_msg {
   std::uint32_t lease_ms = 0;
-  std::uint32_t leases = 0;
+  std::uint32_t leases = 0;    //!< leases extended
+  std::uint32_t released = 0;  //!< leases the decode node no longer named, released
   friend bool operator==(const heartbeat_ack_msg&, const heartbeat_ack_msg&) = default;
 };
 struct release_msg {
@@ -124,8 +169,9 @@ struct error_msg {
   friend bool operator==(const error_msg&, const error_msg&) = default;
 };
 
-using message = std::variant<hello_msg, hello_ack_msg, open_msg, opened_msg, heartbeat_msg,
-                             heartbeat_ack_msg, release_msg, released_msg, error_msg>;
+using message =
+    std::variant<hello_msg, hello_ack_msg, open_msg, opened_msg, heartbeat_msg, heartbeat_ack_msg,
+                 release_msg, released_msg, error_msg, challenge_msg, auth_msg, summary_chunk_msg>;
 
 //! @brief The wire type of a message (the variant index + 1, by construction).
 inline msg_type type_of(const message& m) noexcept {
@@ -154,7 +200,7 @@ inline frame_header decode_header(std::span<const std::byte> in) {
     oasiskv::detail::raise(errc::unsupported, "control header: protocol version ", version,
                            " (this build speaks ", protocol_version, ")");
   }
-  if (type < 1 || type > static_cast<std::uint16_t>(msg_type::error)) [[unlikely]] {
+  if (type < 1 || type > static_cast<std::uint16_t>(msg_type::summary_chunk)) [[unlikely]] {
     oasiskv::detail::raise(errc::invalid_argument, "control header: unknown message type ", type);
   }
   if (reserved != 0) [[unlikely]] {
@@ -214,8 +260,22 @@ inline void encode_payload(wire_writer& w, const message& m) {
       [&](const auto& v) {
         using T = std::decay_t<decltype(v)>;
         if constexpr (std::is_same_v<T, hello_msg>) {
-          w.bytes(v.token);
+          w.bytes(v.nonce);
           w.str(v.client);
+          w.u64(v.resume_session);
+        } else if constexpr (std::is_same_v<T, challenge_msg>) {
+          w.bytes(v.nonce);
+          w.bytes(v.proof);
+        } else if constexpr (std::is_same_v<T, auth_msg>) {
+          w.bytes(v.proof);
+        } else if constexpr (std::is_same_v<T, summary_chunk_msg>) {
+          if (v.bytes.size() > limits::max_summary_chunk) [[unlikely]] {
+            oasiskv::detail::raise(errc::capacity_exceeded, "summary_chunk of ", v.bytes.size(),
+                                   " bytes exceeds ", limits::max_summary_chunk);
+          }
+          w.u64(v.seq);
+          w.u64(v.offset);
+          w.blob(v.bytes);
         } else if constexpr (std::is_same_v<T, hello_ack_msg>) {
           w.u64(v.session);
           w.u32(v.lease_ms);
@@ -225,6 +285,7 @@ inline void encode_payload(wire_writer& w, const message& m) {
           put_region(w, v.arena);
           put_region(w, v.generations);
           w.blob(v.worker_address);
+          w.bytes(v.mac);
         } else if constexpr (std::is_same_v<T, open_msg>) {
           w.u64(v.seq);
           w.u8(v.want_summaries);
@@ -238,11 +299,23 @@ inline void encode_payload(wire_writer& w, const message& m) {
             w.u64(b.generation);
           }
           w.u32(v.summary_bytes);
-          w.bytes(v.summaries);
+          if (!v.summaries.empty()) [[unlikely]] {
+            oasiskv::detail::raise(errc::invalid_argument, "opened: the summaries of request ",
+                                   v.seq, " travel in summary_chunk frames, not in opened");
+          }
         } else if constexpr (std::is_same_v<T, heartbeat_msg>) {
+          if (v.seqs.size() > limits::max_leases) [[unlikely]] {
+            oasiskv::detail::raise(errc::capacity_exceeded, "heartbeat naming ", v.seqs.size(),
+                                   " requests exceeds ", limits::max_leases);
+          }
+          w.u32(static_cast<std::uint32_t>(v.seqs.size()));
+          for (const std::uint64_t q : v.seqs) {
+            w.u64(q);
+          }
         } else if constexpr (std::is_same_v<T, heartbeat_ack_msg>) {
           w.u32(v.lease_ms);
           w.u32(v.leases);
+          w.u32(v.released);
         } else if constexpr (std::is_same_v<T, release_msg> || std::is_same_v<T, released_msg>) {
           w.u64(v.seq);
         } else {
@@ -286,9 +359,35 @@ inline message parse_payload(msg_type type, std::span<const std::byte> payload) 
   switch (type) {
     case msg_type::hello: {
       hello_msg v;
-      auto t = r.bytes(token_bytes, "hello.token");
-      std::copy(t.begin(), t.end(), v.token.begin());
+      auto t = r.bytes(nonce_bytes, "hello.nonce");
+      std::copy(t.begin(), t.end(), v.nonce.begin());
       v.client = r.str(limits::max_name, "hello.client");
+      v.resume_session = r.u64("hello.resume_session");
+      m = std::move(v);
+      break;
+    }
+    case msg_type::challenge: {
+      challenge_msg v;
+      auto n = r.bytes(nonce_bytes, "challenge.nonce");
+      std::copy(n.begin(), n.end(), v.nonce.begin());
+      auto p = r.bytes(v.proof.size(), "challenge.proof");
+      std::copy(p.begin(), p.end(), v.proof.begin());
+      m = v;
+      break;
+    }
+    case msg_type::auth: {
+      auth_msg v;
+      auto p = r.bytes(v.proof.size(), "auth.proof");
+      std::copy(p.begin(), p.end(), v.proof.begin());
+      m = v;
+      break;
+    }
+    case msg_type::summary_chunk: {
+      summary_chunk_msg v;
+      v.seq = r.u64("summary_chunk.seq");
+      v.offset = r.u64("summary_chunk.offset");
+      auto b = r.blob(limits::max_summary_chunk, "summary_chunk.bytes");
+      v.bytes.assign(b.begin(), b.end());
       m = std::move(v);
       break;
     }
@@ -303,7 +402,14 @@ inline message parse_payload(msg_type type, std::span<const std::byte> payload) 
       v.generations = detail::get_region(r, "hello_ack.generations");
       auto a = r.blob(limits::max_worker_address, "hello_ack.worker_address");
       v.worker_address.assign(a.begin(), a.end());
-      if (v.num_slots == 0 || v.slot_bytes < v.layout.block_bytes() || v.worker_address.empty() ||
+      auto mac = r.bytes(v.mac.size(), "hello_ack.mac");
+      std::copy(mac.begin(), mac.end(), v.mac.begin());
+      if (v.num_slots > limits::max_slots) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument, "hello_ack: ", v.num_slots,
+                               " slots exceed the ", limits::max_slots, " a decode node accepts");
+      }
+      if (v.num_slots == 0 || v.slot_bytes < v.layout.block_bytes() ||
+          v.slot_bytes > (std::uint64_t{1} << 31) || v.worker_address.empty() ||
           v.arena.length / v.slot_bytes < v.num_slots || v.generations.length / 8 < v.num_slots ||
           v.lease_ms == 0) [[unlikely]] {
         oasiskv::detail::raise(errc::invalid_argument, "hello_ack: ", v.num_slots, " slots of ",
@@ -344,24 +450,33 @@ inline message parse_payload(msg_type type, std::span<const std::byte> payload) 
         b.generation = r.u64("opened.generation");
       }
       v.summary_bytes = r.u32("opened.summary_bytes");
-      const std::uint64_t sb = n * v.summary_bytes;
-      if (sb != r.remaining()) [[unlikely]] {
-        oasiskv::detail::raise(errc::invalid_argument, "opened: ", n, " summaries of ",
-                               v.summary_bytes, " bytes do not match the ", r.remaining(),
-                               " bytes left");
+      if (v.summary_bytes > (1u << 20)) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument, "opened: summaries of ", v.summary_bytes,
+                               " bytes per block");
       }
-      auto s = r.bytes(static_cast<std::size_t>(sb), "opened.summaries");
-      v.summaries.assign(s.begin(), s.end());
       m = std::move(v);
       break;
     }
-    case msg_type::heartbeat:
-      m = heartbeat_msg{};
+    case msg_type::heartbeat: {
+      heartbeat_msg v;
+      const std::uint32_t n = r.u32("heartbeat.count");
+      if (n > limits::max_leases || std::uint64_t{n} * 8 != r.remaining()) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument, "heartbeat: ", n, " requests (at most ",
+                               limits::max_leases, ") do not match the ", r.remaining(),
+                               " bytes left");
+      }
+      v.seqs.resize(n);
+      for (std::uint64_t& q : v.seqs) {
+        q = r.u64("heartbeat.seq");
+      }
+      m = std::move(v);
       break;
+    }
     case msg_type::heartbeat_ack: {
       heartbeat_ack_msg v;
       v.lease_ms = r.u32("heartbeat_ack.lease_ms");
       v.leases = r.u32("heartbeat_ack.leases");
+      v.released = r.u32("heartbeat_ack.released");
       m = v;
       break;
     }
@@ -411,6 +526,31 @@ inline void validate_opened(const opened_msg& o, const hello_ack_msg& session,
     oasiskv::detail::raise(errc::invalid_argument, "opened: summary of ", o.summary_bytes,
                            " bytes per block, expected ", want);
   }
+}
+
+//! @brief The handshake's proofs and MAC (see the file comment). `token` is the shared secret.
+inline proof_type exporter_proof(std::span<const std::byte> token, const nonce_type& hello_nonce,
+                                 const nonce_type& challenge_nonce) {
+  static constexpr char label[] = "oasiskv exporter";
+  return detail::hmac_sha256(
+      token, {std::as_bytes(std::span(label, sizeof label - 1)), hello_nonce, challenge_nonce});
+}
+inline proof_type decode_proof(std::span<const std::byte> token, const nonce_type& hello_nonce,
+                               const nonce_type& challenge_nonce) {
+  static constexpr char label[] = "oasiskv decode";
+  return detail::hmac_sha256(
+      token, {std::as_bytes(std::span(label, sizeof label - 1)), challenge_nonce, hello_nonce});
+}
+//! @brief The MAC of `ack`'s fields (its own `mac` left out).
+inline proof_type hello_ack_mac(std::span<const std::byte> token, const nonce_type& hello_nonce,
+                                const nonce_type& challenge_nonce, hello_ack_msg ack) {
+  static constexpr char label[] = "oasiskv hello_ack";
+  ack.mac = {};
+  std::vector<std::byte> fields;
+  wire_writer w(fields);
+  detail::encode_payload(w, ack);
+  return detail::hmac_sha256(token, {std::as_bytes(std::span(label, sizeof label - 1)), hello_nonce,
+                                     challenge_nonce, fields});
 }
 
 }  // namespace oasiskv::disagg

@@ -31,6 +31,44 @@ struct remote_tier_options {
   bool heartbeat = true;  //!< a thread extends this session's leases every lease / 3
 };
 
+//! @brief The decode side of the handshake on a connected control socket (see protocol.hpp):
+//! proves `token` without sending it, checks the exporter's proof and the `hello_ack`'s MAC, and
+//! returns the validated session. A peer that cannot prove the token gets nothing but a nonce;
+//! an exporter that cannot gets `errc::invalid_argument` here, before anything it sent is used.
+inline hello_ack_msg client_handshake(int fd, const std::array<std::byte, token_bytes>& token,
+                                      const std::string& client, std::uint64_t resume_session,
+                                      steady::time_point deadline, const std::string& peer) {
+  hello_msg h;
+  detail::random_bytes(h.nonce);
+  h.client = client;
+  h.resume_session = resume_session;
+  auto expect = [&](std::uint64_t id, msg_type type) {
+    received_frame f = recv_frame(fd, deadline, peer);
+    if (const auto* e = std::get_if<error_msg>(&f.body)) {
+      throw error(errc::io_error, "exporter " + peer + " refused the handshake: " + e->text);
+    }
+    if (f.header.type != type || f.header.request_id != id) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "exporter ", peer,
+                             " broke the handshake with message type ",
+                             static_cast<int>(f.header.type), " for request ", f.header.request_id);
+    }
+    return std::move(f.body);
+  };
+  send_all(fd, encode(h, 1), deadline, peer);
+  const auto ch = std::get<challenge_msg>(expect(1, msg_type::challenge));
+  if (!detail::digests_equal(ch.proof, exporter_proof(token, h.nonce, ch.nonce))) [[unlikely]] {
+    oasiskv::detail::raise(errc::invalid_argument, "the peer at ", peer,
+                           " could not prove the exporter's token: not the exporter");
+  }
+  send_all(fd, encode(auth_msg{decode_proof(token, h.nonce, ch.nonce)}, 2), deadline, peer);
+  auto ack = std::get<hello_ack_msg>(expect(2, msg_type::hello_ack));
+  if (!detail::digests_equal(ack.mac, hello_ack_mac(token, h.nonce, ch.nonce, ack))) [[unlikely]] {
+    oasiskv::detail::raise(errc::invalid_argument, "exporter ", peer,
+                           ": the hello_ack's MAC does not match (altered on the way?)");
+  }
+  return ack;
+}
+
 //! @brief Models `batched_block_io_tier` (reads only: decode-side appends go to a local tier)
 //! and `remote_block_source`. A slot may be read only while a request opened through this tier
 //! holds it: its expected generation is then known and re-checked after every read.
@@ -41,12 +79,23 @@ class ucx_remote_tier {
   //! from allocating or writing its slots (they are only adopted).
   static constexpr bool read_only = true;
 
+  //! The control channel: each call waits `io_timeout` for its reply; replies to calls that
+  //! timed out are recognised by their request id and dropped. A channel in doubt (a reply cut
+  //! short, a frame out of order) is closed and reopened at the next call, resuming the session
+  //! so its leases are kept; an open whose reply never came is released by the next heartbeat,
+  //! which names only the requests this tier holds.
   ucx_remote_tier(ucx_engine& engine, remote_tier_options options)
       : engine_(&engine), options_(std::move(options)) {
     name_ = options_.address + ":" + std::to_string(options_.port);
+    if (options_.io_timeout.count() <= 0) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "remote_tier_options.io_timeout (ms) = ", options_.io_timeout.count(),
+                             " must be positive");
+    }
     fd_ = connect_tcp(options_.address, options_.port, options_.io_timeout);
-    hello_msg h{options_.token, options_.client};
-    session_ = std::get<hello_ack_msg>(call(h, msg_type::hello_ack));
+    session_ = client_handshake(fd_.get(), options_.token, options_.client, 0,
+                                steady::now() + options_.io_timeout, name_);
+    next_request_ = 2;
     expected_.assign(session_.num_slots, 0);
     peer_ = engine.connect(name_, session_.worker_address, session_.arena.rkey,
                            session_.generations.rkey);
@@ -77,9 +126,26 @@ class ucx_remote_tier {
   //! @brief Leases request `seq` and returns its validated block table (and summaries).
   opened_msg open(std::uint64_t seq, bool summaries = true) {
     std::lock_guard lock(call_mutex_);
+    const auto deadline = steady::now() + options_.io_timeout;
     opened_msg o = std::get<opened_msg>(
         call(open_msg{seq, static_cast<std::uint8_t>(summaries ? 1 : 0)}, msg_type::opened));
     validate_opened(o, session_, seq, summaries);
+    // The summaries follow in chunks with the same request id, in order.
+    const std::uint64_t total = std::uint64_t{o.summary_bytes} * o.blocks.size();
+    o.summaries.reserve(total);
+    while (o.summaries.size() < total) {
+      received_frame f = receive(deadline);
+      const auto* c = std::get_if<summary_chunk_msg>(&f.body);
+      if (c == nullptr || f.header.request_id != next_request_ || c->seq != seq ||
+          c->offset != o.summaries.size() || c->bytes.empty() ||
+          c->bytes.size() > total - o.summaries.size()) [[unlikely]] {
+        broken_ = true;
+        oasiskv::detail::raise(errc::invalid_argument, "exporter ", name_,
+                               " sent a bad summary chunk for request ", seq, " at byte ",
+                               o.summaries.size(), " of ", total);
+      }
+      o.summaries.insert(o.summaries.end(), c->bytes.begin(), c->bytes.end());
+    }
     std::lock_guard g(mutex_);
     for (const block_entry& b : o.blocks) {
       expected_[b.slot] = b.generation;
@@ -107,10 +173,22 @@ class ucx_remote_tier {
   }
 
   //! @brief Extends every lease of this session; returns how many the exporter holds.
+  //! @brief Extends the leases of the requests this tier holds (the exporter releases any other
+  //! of the session); returns how many it extended.
   std::uint32_t heartbeat() {
     std::lock_guard lock(call_mutex_);
-    return std::get<heartbeat_ack_msg>(call(heartbeat_msg{}, msg_type::heartbeat_ack)).leases;
+    heartbeat_msg h;
+    {
+      std::lock_guard g(mutex_);
+      for (const auto& [seq, blocks] : opened_) {
+        h.seqs.push_back(seq);
+      }
+    }
+    return std::get<heartbeat_ack_msg>(call(h, msg_type::heartbeat_ack)).leases;
   }
+  //! @brief Times the control channel was reopened (resuming the session) after it was in
+  //! doubt.
+  std::uint64_t reconnects() const noexcept { return reconnects_; }
 
   // -- remote_block_source ----------------------------------------------------------------------
   ucx_peer* peer() const noexcept { return peer_; }
@@ -152,23 +230,74 @@ class ucx_remote_tier {
     }
   }
 
-  // One request-reply exchange; an `error` reply is rethrown with the exporter's code.
+  // One frame of the channel; a failure leaves the channel in doubt.
+  received_frame receive(steady::time_point deadline) {
+    try {
+      return recv_frame(fd_.get(), deadline, name_);
+    } catch (...) {
+      broken_ = true;
+      throw;
+    }
+  }
+
+  // Reopens a channel in doubt: a new connection and handshake that resumes the session, so the
+  // exporter moves this tier's leases to the new one. The UCX endpoint is kept.
+  void reconnect() {
+    fd_.reset();
+    fd_ = connect_tcp(options_.address, options_.port, options_.io_timeout);
+    hello_ack_msg ack =
+        client_handshake(fd_.get(), options_.token, options_.client, session_.session,
+                         steady::now() + options_.io_timeout, name_);
+    if (!(ack.layout == session_.layout) || ack.num_slots != session_.num_slots ||
+        ack.slot_bytes != session_.slot_bytes || ack.arena != session_.arena ||
+        ack.generations != session_.generations || ack.worker_address != session_.worker_address)
+        [[unlikely]] {
+      oasiskv::detail::raise(errc::transfer_failed, "exporter ", name_,
+                             " came back as another process (its arena changed): its requests ",
+                             "are gone");
+    }
+    session_.session = ack.session;
+    next_request_ = 2;
+    broken_ = false;
+    ++reconnects_;
+  }
+
+  // One request-reply exchange; an `error` reply is rethrown with the exporter's code. Frames
+  // answering earlier requests (calls that timed out) are dropped.
   message call(const message& m, msg_type expected) {
+    if (broken_) {
+      reconnect();
+    }
     const std::uint64_t id = ++next_request_;
     const auto deadline = steady::now() + options_.io_timeout;
-    send_all(fd_.get(), encode(m, id), deadline, name_);
-    received_frame f = recv_frame(fd_.get(), deadline, name_);
-    if (const auto* e = std::get_if<error_msg>(&f.body)) {
-      const bool known = e->code >= 1 && e->code <= static_cast<std::uint32_t>(errc::io_error);
-      throw error(known ? static_cast<errc>(e->code) : errc::transfer_failed,
-                  "exporter " + name_ + " refused: " + e->text);
+    try {
+      send_all(fd_.get(), encode(m, id), deadline, name_);
+    } catch (...) {
+      broken_ = true;
+      throw;
     }
-    if (f.header.type != expected || f.header.request_id != id) [[unlikely]] {
-      oasiskv::detail::raise(errc::invalid_argument, "exporter ", name_, " answered request ", id,
-                             " with message type ", static_cast<int>(f.header.type),
-                             " for request ", f.header.request_id);
+    for (;;) {
+      received_frame f = receive(deadline);
+      if (f.header.request_id < id) {
+        continue;  // a late reply to a call that gave up (its lease, if any, goes at heartbeat)
+      }
+      if (f.header.request_id > id) [[unlikely]] {
+        broken_ = true;
+        oasiskv::detail::raise(errc::invalid_argument, "exporter ", name_, " answered request ",
+                               f.header.request_id, " before request ", id, " was answered");
+      }
+      if (const auto* e = std::get_if<error_msg>(&f.body)) {
+        const bool known = e->code >= 1 && e->code <= static_cast<std::uint32_t>(errc::io_error);
+        throw error(known ? static_cast<errc>(e->code) : errc::transfer_failed,
+                    "exporter " + name_ + " refused: " + e->text);
+      }
+      if (f.header.type != expected) [[unlikely]] {
+        broken_ = true;
+        oasiskv::detail::raise(errc::invalid_argument, "exporter ", name_, " answered request ", id,
+                               " with message type ", static_cast<int>(f.header.type));
+      }
+      return std::move(f.body);
     }
-    return std::move(f.body);
   }
 
   void heartbeat_loop() {
@@ -193,6 +322,8 @@ class ucx_remote_tier {
   hello_ack_msg session_;
   ucx_peer* peer_ = nullptr;
   std::uint64_t next_request_ = 0;
+  bool broken_ = false;  // the channel is in doubt: reopen it at the next call
+  std::uint64_t reconnects_ = 0;
   std::mutex call_mutex_;  // one exchange at a time on the control socket
   mutable std::mutex mutex_;
   std::vector<std::uint64_t> expected_;  // [num_slots]; 0: not readable
