@@ -268,3 +268,48 @@ TEST_CASE("slots of no opened request and writes are refused before anything mov
   CHECK_THROWS_AS(tier.write_block(o.blocks[0].slot, buf.data()), oasiskv::error);
   CHECK_THROWS_AS(tier.open(99), oasiskv::error);  // never published
 }
+
+TEST_CASE("a batch's deadline counts time without progress, not its size or its queueing") {
+  // A 64 MiB batch takes longer than a 50 ms deadline over tcp, and a small batch submitted
+  // behind it waits for it: both finish, byte-exact, and the exporter stays usable, because the
+  // deadline runs from each batch's last progress (a get posted or completed).
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  const std::uint32_t tokens = 4096 * 16;  // 4096 blocks per layer: 8192 blocks, 64 MiB
+  kv_exporter ex(layout, 2 * layout.blocks_for(tokens) + 64, eo);
+  disagg_test::publish_pattern(ex, 1, tokens);
+  disagg_test::publish_pattern(ex, 2, 100);
+  ucx_engine engine({std::chrono::milliseconds(50), 128});
+  ucx_remote_tier tier(engine, client(ex.port()));
+  const opened_msg big = tier.open(1, false), small = tier.open(2, false);
+  host_tier local(layout, static_cast<std::uint32_t>(big.blocks.size() + small.blocks.size()));
+  std::vector<block_copy> cb, cs;
+  for (std::size_t i = 0; i < big.blocks.size(); ++i) {
+    cb.push_back({big.blocks[i].slot, static_cast<oasiskv::slot_id>(i)});
+  }
+  for (std::size_t i = 0; i < small.blocks.size(); ++i) {
+    cs.push_back({small.blocks[i].slot, static_cast<oasiskv::slot_id>(big.blocks.size() + i)});
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto tb = engine.submit(tier, local, cb);
+  const auto ts = engine.submit(tier, local, cs);
+  engine.wait(ts);
+  engine.wait(tb);
+  MESSAGE("64 MiB batch and a queued small one: ",
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+          " ms with a 50 ms deadline");
+  CHECK(engine.stats().forced_closes == 0);
+  std::vector<std::byte> want(layout.block_bytes());
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < cb.size(); i += 97) {
+    disagg_test::fill_block(want.data(), 1, static_cast<std::uint32_t>(i / big.blocks_per_layer),
+                            static_cast<std::uint32_t>(i % big.blocks_per_layer), want.size());
+    bad += std::memcmp(local.slot_data(cb[i].dst), want.data(), want.size()) != 0;
+  }
+  for (std::size_t i = 0; i < cs.size(); ++i) {
+    disagg_test::fill_block(want.data(), 2, static_cast<std::uint32_t>(i / small.blocks_per_layer),
+                            static_cast<std::uint32_t>(i % small.blocks_per_layer), want.size());
+    bad += std::memcmp(local.slot_data(cs[i].dst), want.data(), want.size()) != 0;
+  }
+  CHECK(bad == 0);
+}

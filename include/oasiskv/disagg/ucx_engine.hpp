@@ -28,8 +28,11 @@
 namespace oasiskv::disagg {
 
 struct ucx_engine_options {
-  //! A batch not finished by then fails, and its exporter's endpoint is force-closed: UCX does
-  //! not detect a stopped (SIGSTOP) or blackholed peer by itself (docs/disagg.md).
+  //! A batch that makes no progress for this long (none of its gets posted or completed; the
+  //! clock starts when its first get is posted, so time queued behind other batches does not
+  //! count, and a large batch that keeps moving never misses it) fails, and its exporter's
+  //! endpoint is force-closed: UCX does not detect a stopped (SIGSTOP) or blackholed peer by
+  //! itself (docs/disagg.md).
   std::chrono::milliseconds deadline{1000};
   std::uint32_t max_in_flight = 128;  //!< gets outstanding at once, across exporters
   //! How long the progress thread keeps polling after its last batch finished before it naps
@@ -246,8 +249,11 @@ class ucx_engine {
     bool stale = false;  // a generation word did not match
     ucs_status_t status = UCS_OK;
     std::string failure;  // set once the batch is doomed
-    steady_clock::time_point deadline;
+    // No progress by then fails the batch; pushed back at every get posted or completed. Never,
+    // until its first get is posted.
+    steady_clock::time_point deadline = steady_clock::time_point::max();
     std::chrono::milliseconds budget{};
+    bool progressed = false;  // a get completed since the last round (set by the callback)
   };
 
   // A fresh batch, or a finished one reused with its vectors' capacity (finish() keeps a few):
@@ -329,7 +335,7 @@ class ucx_engine {
       quarantined_.insert(k);
     }
     b->id = ++issued_;
-    b->deadline = steady_clock::now() + b->budget;
+    b->deadline = steady_clock::time_point::max();  // starts at its first get posted
     b->gen_read.assign(b->gen_addr.size(), 0);
     const ticket t{b->id};
     unfinished_.insert(b->id);
@@ -350,6 +356,7 @@ class ucx_engine {
   static void on_get(void* request, ucs_status_t status, void* user) {
     auto* b = static_cast<batch*>(user);
     --b->outstanding;
+    b->progressed = true;
     if (status != UCS_OK && b->status == UCS_OK) {
       b->status = status;
     }
@@ -359,6 +366,9 @@ class ucx_engine {
   // `ucx_mutex_` held. Posts the batch's next gets, up to the engine's window.
   void post(batch& b, std::size_t& in_flight) {
     const std::size_t total = b.gen_phase ? b.gen_addr.size() : b.ops.size();
+    if (b.next < total && in_flight < options_.max_in_flight) {
+      b.deadline = steady_clock::now() + b.budget;  // progress: gets go out
+    }
     while (b.next < total && in_flight < options_.max_in_flight) {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -447,13 +457,17 @@ class ucx_engine {
     for (auto& [id, bp] : running_) {
       batch& b = *bp;
       ucx_peer& p = *b.peer;
+      if (b.progressed) {
+        b.progressed = false;
+        b.deadline = now + b.budget;  // progress: gets came back
+      }
       if (b.failure.empty()) {
         if (p.st != ucx_peer::state::ready) {
           b.failure = "exporter " + p.name + " failed: " + p.failure;
         } else if (now > b.deadline) {
           b.failure = "exporter " + p.name + ": batch of " + std::to_string(b.ops.size()) +
-                      " blocks missed its deadline of " + std::to_string(b.budget.count()) +
-                      " ms; endpoint force-closed";
+                      " blocks made no progress within its deadline of " +
+                      std::to_string(b.budget.count()) + " ms; endpoint force-closed";
           start_close(p, "deadline of " + std::to_string(b.budget.count()) + " ms exceeded");
         } else if (b.status != UCS_OK && b.outstanding == 0) {
           b.failure = "exporter " + p.name + ": get failed: " + ucs_status_string(b.status);
@@ -463,8 +477,9 @@ class ucx_engine {
       if (!b.failure.empty()) {
         // Quarantine: the destination slots stay reserved until no get can still land.
         // A dead endpoint whose requests never report back is given up on after a grace period.
-        const bool stuck =
-            p.st == ucx_peer::state::dead && now > b.deadline + std::chrono::seconds(2);
+        const bool stuck = p.st == ucx_peer::state::dead &&
+                           b.deadline != steady_clock::time_point::max() &&
+                           now > b.deadline + std::chrono::seconds(2);
         if ((b.outstanding == 0 && p.st != ucx_peer::state::closing) || stuck) {
           finished.push_back(id);
         }
