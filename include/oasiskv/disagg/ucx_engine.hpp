@@ -254,6 +254,7 @@ class ucx_engine {
     steady_clock::time_point deadline = steady_clock::time_point::max();
     std::chrono::milliseconds budget{};
     bool progressed = false;  // a get completed since the last round (set by the callback)
+    steady_clock::time_point failed_at{};  // when the batch was found doomed
   };
 
   // A fresh batch, or a finished one reused with its vectors' capacity (finish() keeps a few):
@@ -304,6 +305,8 @@ class ucx_engine {
     b->stale = false;
     b->status = UCS_OK;
     b->failure.clear();
+    b->progressed = false;
+    b->failed_at = {};
     spare_.push_back(std::move(b));
   }
 
@@ -457,10 +460,10 @@ class ucx_engine {
     for (auto& [id, bp] : running_) {
       batch& b = *bp;
       ucx_peer& p = *b.peer;
-      if (b.progressed) {
-        b.progressed = false;
+      if (b.progressed && b.failure.empty()) {
         b.deadline = now + b.budget;  // progress: gets came back
       }
+      b.progressed = false;
       if (b.failure.empty()) {
         if (p.st != ucx_peer::state::ready) {
           b.failure = "exporter " + p.name + " failed: " + p.failure;
@@ -475,11 +478,13 @@ class ucx_engine {
         }
       }
       if (!b.failure.empty()) {
+        if (b.failed_at == steady_clock::time_point{}) {
+          b.failed_at = now;
+        }
         // Quarantine: the destination slots stay reserved until no get can still land.
         // A dead endpoint whose requests never report back is given up on after a grace period.
-        const bool stuck = p.st == ucx_peer::state::dead &&
-                           b.deadline != steady_clock::time_point::max() &&
-                           now > b.deadline + std::chrono::seconds(2);
+        const bool stuck =
+            p.st == ucx_peer::state::dead && now > b.failed_at + std::chrono::seconds(2);
         if ((b.outstanding == 0 && p.st != ucx_peer::state::closing) || stuck) {
           finished.push_back(id);
         }
