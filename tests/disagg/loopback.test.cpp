@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -312,4 +313,47 @@ TEST_CASE("a batch's deadline counts time without progress, not its size or its 
     bad += std::memcmp(local.slot_data(cs[i].dst), want.data(), want.size()) != 0;
   }
   CHECK(bad == 0);
+}
+
+TEST_CASE("a destroyed tier leaves no endpoint, rkey or descriptor behind") {
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  kv_exporter ex(layout, 64, eo);
+  ucx_engine engine(relaxed());
+  host_tier local(layout, 64);
+  auto fds = [] {
+    std::size_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+      (void)e;
+      ++n;
+    }
+    return n;
+  };
+  std::size_t before = 0;
+  for (int i = 0; i < 30; ++i) {
+    disagg_test::publish_pattern(ex, 1 + i, 40);
+    {
+      ucx_remote_tier tier(engine, client(ex.port()));
+      const opened_msg o = tier.open(1 + i, false);
+      CHECK(fetch_and_check(engine, tier, local, o, 0) == 0);
+      tier.release(1 + i);
+    }
+    if (i == 4) {
+      before = fds();  // after the engine's own start-up
+    }
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (engine.stats().peers != 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  CHECK(engine.stats().peers == 0);
+  CHECK(engine.stats().disconnects == 30);
+  CHECK(engine.stats().forced_closes == 0);
+  // The exporter's side of each connection (UCX's, in this process too) goes at its keepalive
+  // (UCX_KEEPALIVE_INTERVAL=1s here).
+  const auto settle = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (fds() > before + 2 && std::chrono::steady_clock::now() < settle) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  CHECK(fds() <= before + 2);
 }

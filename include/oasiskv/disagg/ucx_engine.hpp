@@ -60,7 +60,9 @@ class ucx_engine {
   struct statistics {
     std::uint64_t batches = 0, gets = 0, bytes = 0, failed_batches = 0;
     std::uint64_t generation_mismatches = 0, forced_closes = 0;
-    std::uint64_t idle_naps = 0;  //!< naps of the progress thread with nothing to do
+    std::uint64_t disconnects = 0;  //!< endpoints closed because their tier was destroyed
+    std::uint64_t peers = 0;        //!< endpoints the engine holds now
+    std::uint64_t idle_naps = 0;    //!< naps of the progress thread with nothing to do
   };
 
   explicit ucx_engine(ucx_engine_options options = {})
@@ -140,6 +142,10 @@ class ucx_engine {
     }
     ucx_peer* raw = p.get();
     peers_.push_back(std::move(p));
+    {
+      std::lock_guard lock(mutex_);
+      stats_.peers = peers_.size();
+    }
     if (!ok) [[unlikely]] {
       start_close(*raw, "wireup failed");
       oasiskv::detail::raise(errc::transfer_failed, "ucx_engine: cannot reach exporter ", raw->name,
@@ -149,6 +155,17 @@ class ucx_engine {
   }
 
   //! @brief Why `p` is no longer usable, or empty while it is.
+  //! @brief The tier that connected `p` is gone: once no submitted batch reads from it, its
+  //! endpoint is closed, its rkeys destroyed and the engine forgets it. `p` must not be used
+  //! after this call.
+  void disconnect(ucx_peer* p) {
+    if (p == nullptr) {
+      return;
+    }
+    p->released.store(true, std::memory_order_release);
+    work_cv_.notify_one();
+  }
+
   std::string peer_failure(const ucx_peer* p) const {
     std::lock_guard lock(mutex_);
     return p->st == ucx_peer::state::ready ? std::string{} : p->failure;
@@ -400,7 +417,7 @@ class ucx_engine {
 
   // `ucx_mutex_` held, `mutex_` not. Force-closes the endpoint: the only way to abort gets in UCX
   // 1.13. A peer's state is written under both locks, so callers read it under either.
-  void start_close(ucx_peer& p, std::string why) {
+  void start_close(ucx_peer& p, std::string why, bool failure = true) {
     if (p.st != ucx_peer::state::ready) {
       return;
     }
@@ -408,7 +425,7 @@ class ucx_engine {
       std::lock_guard lock(mutex_);
       p.failure = std::move(why);
       p.st = ucx_peer::state::closing;
-      ++stats_.forced_closes;
+      ++(failure ? stats_.forced_closes : stats_.disconnects);
     }
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -441,6 +458,39 @@ class ucx_engine {
         finish_close(*p);
       }
     }
+    retire_released();
+  }
+
+  // `ucx_mutex_` held. Closes the endpoints of destroyed tiers that no batch reads from, and
+  // forgets those whose close has completed.
+  void retire_released() {
+    bool any = false;
+    for (const auto& p : peers_) {
+      any = any || p->released.load(std::memory_order_acquire);
+    }
+    if (!any) {
+      return;
+    }
+    for (auto& p : peers_) {
+      if (!p->released.load(std::memory_order_acquire) || p->st != ucx_peer::state::ready) {
+        continue;
+      }
+      bool used = std::any_of(running_.begin(), running_.end(),
+                              [&](const auto& r) { return r.second->peer == p.get(); });
+      if (!used) {
+        std::lock_guard lock(mutex_);
+        used = std::any_of(pending_.begin(), pending_.end(),
+                           [&](const auto& b) { return b->peer == p.get(); });
+      }
+      if (!used) {
+        start_close(*p, "its tier was destroyed", false);
+      }
+    }
+    std::erase_if(peers_, [](const auto& p) {
+      return p->released.load(std::memory_order_acquire) && p->st == ucx_peer::state::dead;
+    });
+    std::lock_guard lock(mutex_);
+    stats_.peers = peers_.size();
   }
 
   // `ucx_mutex_` held, `mutex_` not. Advances every batch; returns whether any is waiting on the

@@ -6,6 +6,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <concepts>
 #include <cstdint>
 #include <string>
@@ -28,6 +29,9 @@ struct ucx_peer {
   std::string failure;
   std::string pending_error;  // set by the UCX error callback, acted on by the progress loop
   void* close_request = nullptr;
+  //! The tier that connected it is gone (`ucx_engine::disconnect`): closed and dropped once no
+  //! batch reads from it.
+  std::atomic<bool> released{false};
 };
 
 //! @brief What the engine needs of a remote source tier (`ucx_remote_tier` models it).

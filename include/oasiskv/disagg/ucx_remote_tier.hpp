@@ -114,6 +114,7 @@ class ucx_remote_tier {
     if (heartbeat_thread_.joinable()) {
       heartbeat_thread_.join();
     }
+    engine_->disconnect(peer_);  // its endpoint and rkeys go once no batch reads from it
   }
 
   const kv_layout& layout() const noexcept { return session_.layout; }
