@@ -107,17 +107,20 @@ std::string error_text(const std::optional<received_frame>& f) {
 }  // namespace
 
 TEST_CASE("exporter: peers that never say hello fill no slot for long") {
-  kv_exporter ex(layout, 64, quick(8));
+  exporter_options eo = quick(8);
+  eo.io_timeout = ms(2000);  // room for a decode node's start-up on a loaded machine
+  kv_exporter ex(layout, 64, eo);
   disagg_test::publish_pattern(ex, 1, 100);
   std::vector<fd_handle> silent;
+  const auto t0 = steady::now();
   for (int i = 0; i < 8; ++i) {
     silent.push_back(raw(ex.port()));
   }
-  std::this_thread::sleep_for(ms(100));
   // Every connection is taken: a decode node is refused now...
   CHECK_THROWS_AS(decode_once(ex.port(), 1), oasiskv::error);
+  REQUIRE(steady::now() - t0 < ms(2000));  // (refused, not timed out)
   // ...and served once the silent ones have had their io_timeout.
-  std::this_thread::sleep_for(ms(500));
+  std::this_thread::sleep_until(t0 + ms(2300));
   CHECK(decode_once(ex.port(), 1) < ms(2000));
   CHECK(ex.stats().refused >= 8);
   for (const fd_handle& fd : silent) {
@@ -149,6 +152,10 @@ TEST_CASE("exporter: a peer sending a frame byte by byte does not delay others")
   done = true;
   dribble.join();
   until_closed(slow);  // its frame took longer than io_timeout: closed
+  const auto until = steady::now() + ms(2000);
+  while (ex.stats().refused == 0 && steady::now() < until) {  // counted just after the close
+    std::this_thread::sleep_for(ms(5));
+  }
   CHECK(ex.stats().refused >= 1);
 }
 

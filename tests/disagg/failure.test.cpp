@@ -190,14 +190,14 @@ TEST_SUITE("failure") {
     const std::uint16_t port = start(ex, 1);
     ucx_engine engine({ms(10000), 128});
     remote_tier_options o = client(port, "decode");
-    o.io_timeout = ms(300);
+    o.io_timeout = ms(500);
     o.heartbeat = false;
     ucx_remote_tier tier(engine, o);
     const opened_msg first = tier.open(1, false);
     ::kill(ex.pid, SIGSTOP);
     REQUIRE(stopped(ex.pid));
     std::thread resume([&] {
-      std::this_thread::sleep_for(ms(400));
+      std::this_thread::sleep_for(ms(800));
       ::kill(ex.pid, SIGCONT);
     });
     bool gave_up = false;

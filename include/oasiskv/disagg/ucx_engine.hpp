@@ -28,8 +28,8 @@
 namespace oasiskv::disagg {
 
 struct ucx_engine_options {
-  //! A batch that makes no progress for this long (none of its gets posted or completed; the
-  //! clock starts when its first get is posted, so time queued behind other batches does not
+  //! A batch that waits this long on the network without progress (gets of it in flight and
+  //! none completing; time spent waiting for room in the window behind other batches does not
   //! count, and a large batch that keeps moving never misses it) fails, and its exporter's
   //! endpoint is force-closed: UCX does not detect a stopped (SIGSTOP) or blackholed peer by
   //! itself (docs/disagg.md).
@@ -510,8 +510,11 @@ class ucx_engine {
     for (auto& [id, bp] : running_) {
       batch& b = *bp;
       ucx_peer& p = *b.peer;
-      if (b.progressed && b.failure.empty()) {
-        b.deadline = now + b.budget;  // progress: gets came back
+      if (b.failure.empty() &&
+          (b.progressed || (b.outstanding == 0 && b.deadline != steady_clock::time_point::max()))) {
+        // Progress (gets came back), or none of its gets in flight (it waits for room in the
+        // window behind other batches): the clock runs only while it waits on the network.
+        b.deadline = now + b.budget;
       }
       b.progressed = false;
       if (b.failure.empty()) {
