@@ -28,9 +28,10 @@
 namespace oasiskv::disagg {
 
 struct ucx_engine_options {
-  //! A batch that waits this long on the network without progress (gets of it in flight and
-  //! none completing; time spent waiting for room in the window behind other batches does not
-  //! count, and a large batch that keeps moving never misses it) fails, and its exporter's
+  //! A batch that waits this long on a silent exporter (gets of it in flight, and none of that
+  //! exporter's gets completing; time waiting for room in the window, or behind other batches'
+  //! gets, does not count, and a large batch that keeps moving never misses it) fails, and its
+  //! exporter's
   //! endpoint is force-closed: UCX does not detect a stopped (SIGSTOP) or blackholed peer by
   //! itself (docs/disagg.md).
   std::chrono::milliseconds deadline{1000};
@@ -497,6 +498,18 @@ class ucx_engine {
   // network.
   bool step() {
     const auto now = steady_clock::now();
+    // Time this thread was not running (descheduled on a loaded machine) is time it could not
+    // see completions: it does not count against any batch.
+    if (last_step_ != steady_clock::time_point{} &&
+        now - last_step_ > std::chrono::milliseconds(5)) {
+      const auto away = now - last_step_;
+      for (auto& [id, bp] : running_) {
+        if (bp->deadline != steady_clock::time_point::max()) {
+          bp->deadline += away;
+        }
+      }
+    }
+    last_step_ = now;
     std::size_t in_flight = 0;
     for (auto& [id, b] : running_) {
       in_flight += b->outstanding;
@@ -507,13 +520,25 @@ class ucx_engine {
       }
     }
     std::vector<std::uint64_t> finished;
+    // Exporters that answered a get of any batch this round: alive. A batch's gets queue behind
+    // the other batches' gets on the same endpoint, so its own silence alone proves nothing.
+    progressed_peers_.clear();
+    for (const auto& [id, bp] : running_) {
+      if (bp->progressed && std::find(progressed_peers_.begin(), progressed_peers_.end(),
+                                      bp->peer) == progressed_peers_.end()) {
+        progressed_peers_.push_back(bp->peer);
+      }
+    }
     for (auto& [id, bp] : running_) {
       batch& b = *bp;
       ucx_peer& p = *b.peer;
-      if (b.failure.empty() &&
-          (b.progressed || (b.outstanding == 0 && b.deadline != steady_clock::time_point::max()))) {
-        // Progress (gets came back), or none of its gets in flight (it waits for room in the
-        // window behind other batches): the clock runs only while it waits on the network.
+      const bool peer_answered = std::find(progressed_peers_.begin(), progressed_peers_.end(),
+                                           &p) != progressed_peers_.end();
+      if (b.failure.empty() && b.deadline != steady_clock::time_point::max() &&
+          (peer_answered || b.outstanding == 0)) {
+        // Its exporter answers (this batch's gets or others'), or none of its gets is in flight
+        // (it waits for room in the window): the clock runs only while it waits on a silent
+        // exporter.
         b.deadline = now + b.budget;
       }
       b.progressed = false;
@@ -673,6 +698,8 @@ class ucx_engine {
   // Under `ucx_mutex_` (the progress thread's):
   std::mutex ucx_mutex_;
   std::vector<std::unique_ptr<ucx_peer>> peers_;
+  std::vector<const ucx_peer*> progressed_peers_;  // step()'s scratch
+  steady_clock::time_point last_step_{};           // step()'s previous run
   std::map<std::uint64_t, std::unique_ptr<batch>> running_;
   std::vector<std::unique_ptr<batch>> zombies_;
   // After every object a UCX callback can touch (peers, batches): destroying the worker purges
