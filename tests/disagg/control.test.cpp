@@ -305,3 +305,36 @@ TEST_CASE("exporter: summaries arrive in chunks, so no frame bounds a prompt's l
   expect_error([&] { kv_exporter bad(layout, 8, eo); }, errc::invalid_argument,
                "exporter_options.summary_chunk_bytes");
 }
+
+TEST_CASE("exporter: a peer that never reads its replies stalls neither prefill nor others") {
+  // Replies wait in the connection's buffer, sent as the socket takes them and outside the
+  // exporter's lock: prefill publishes and other decode nodes are served meanwhile, and the
+  // connection is closed once a reply has waited io_timeout.
+  kv_exporter ex(layout, 4096, quick());
+  disagg_test::publish_pattern(ex, 1, 100);
+  fd_handle fd = raw(ex.port());
+  client_handshake(fd.get(), disagg_test::token(), "deaf", 0, steady::now() + ms(2000), "raw");
+  const auto ask = encode(heartbeat_msg{}, 5);
+  std::vector<std::byte> many;
+  for (int i = 0; i < 10000; ++i) {
+    many.insert(many.end(), ask.begin(), ask.end());
+  }
+  // Requests until every buffer on the way is full: the kernel's, then the exporter's reply
+  // backlog, after which the exporter stops reading this peer.
+  std::size_t sent = 0;
+  for (auto quiet_since = steady::now(); steady::now() - quiet_since < ms(300);) {
+    const ssize_t n = ::send(fd.get(), many.data(), many.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      sent += static_cast<std::size_t>(n);
+      quiet_since = steady::now();
+    } else {
+      std::this_thread::sleep_for(ms(5));
+    }
+  }
+  MESSAGE("a peer that reads nothing got ", sent, " request bytes in before it was stopped");
+  const auto t0 = steady::now();
+  disagg_test::publish_pattern(ex, 2, 1000);  // prefill goes on
+  CHECK(steady::now() - t0 < ms(500));
+  CHECK(decode_once(ex.port(), 2) < ms(2000));  // so does another decode node
+  until_closed(fd, ms(5000));
+}

@@ -367,3 +367,35 @@ TEST_CASE("a destroyed tier leaves no endpoint, rkey or descriptor behind") {
   }
   CHECK(fds() <= before + 2);
 }
+
+TEST_CASE("an exporter whose endpoint the engine force-closed can be reconnected") {
+  // A force-close (here asked for, as a missed deadline or a UCX error does it) leaves the
+  // exporter refused to this engine until the tier reconnects: then reads go on, byte-exact,
+  // with the request's lease and generations as they were.
+  exporter_options eo;
+  eo.token = disagg_test::token();
+  kv_exporter ex(layout, 64, eo);
+  disagg_test::publish_pattern(ex, 1, 100);
+  ucx_engine engine(relaxed());
+  ucx_remote_tier tier(engine, client(ex.port()));
+  host_tier local(layout, 64);
+  const opened_msg o = tier.open(1, false);
+  CHECK(fetch_and_check(engine, tier, local, o, 0) == 0);
+  tier.reconnect();  // healthy: a no-op
+  CHECK(tier.reconnects() == 0);
+  engine.close_peer(tier.peer(), "distrusted by the test");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (engine.peer_failure(tier.peer()).empty() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  CHECK(engine.peer_failure(tier.peer()).find("distrusted by the test") != std::string::npos);
+  const std::vector<block_copy> one{{o.blocks[0].slot, 0}};
+  expect_error([&] { (void)engine.submit(tier, local, one); }, errc::transfer_failed,
+               "is unusable");
+  tier.reconnect();
+  CHECK(tier.reconnects() == 1);
+  CHECK(engine.peer_failure(tier.peer()).empty());
+  CHECK(fetch_and_check(engine, tier, local, o, 20) == 0);
+  CHECK(engine.stats().forced_closes == 1);
+  tier.release(1);
+}

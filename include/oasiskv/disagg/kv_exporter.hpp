@@ -237,6 +237,8 @@ class kv_exporter {
   // Payload bytes a frame may carry before its connection has presented a valid hello: a hello
   // is a token and a name.
   static constexpr std::uint32_t pre_auth_payload = 4096;
+  // Reply bytes a connection may leave untaken before the exporter stops reading its requests.
+  static constexpr std::size_t max_pending_reply = 1u << 20;
 
   // The generation table gets its own pages: it is registered, and on tcp/sm a registration
   // exposes whatever memory it names.
@@ -361,8 +363,11 @@ class kv_exporter {
         fds.clear();
         fds.push_back({listen_.get(), POLLIN, 0});
         for (const connection& c : conns) {
+          // A peer that does not take its replies is not read from either (its requests back
+          // up in its own socket), so the replies it leaves here stay bounded.
+          const bool backlog = c.out.size() - c.out_sent > max_pending_reply;
           const short events = static_cast<short>(c.out.size() > c.out_sent ? POLLOUT : 0) |
-                               static_cast<short>(c.closing ? 0 : POLLIN);
+                               static_cast<short>(c.closing || backlog ? 0 : POLLIN);
           fds.push_back({c.fd.get(), events, 0});
         }
         ::poll(fds.data(), fds.size(), 20);
@@ -464,8 +469,8 @@ class kv_exporter {
       while (!in.empty() && c.fd && !c.closing) {
         in = consume(c, in);
       }
-      if (c.closing || !c.fd) {
-        return;
+      if (c.closing || !c.fd || c.out.size() - c.out_sent > max_pending_reply) {
+        return;  // (a backlog of replies: read on once the peer takes them)
       }
     }
   }

@@ -167,6 +167,22 @@ class ucx_engine {
     work_cv_.notify_one();
   }
 
+  //! @brief Force-closes `p`'s endpoint as a missed deadline does: its batches in flight fail
+  //! with `errc::transfer_failed` naming `why`, later submits to it are refused. An engine
+  //! drops an exporter it no longer trusts this way; `ucx_remote_tier::reconnect` opens a new
+  //! endpoint to it.
+  void close_peer(ucx_peer* p, std::string why) {
+    {
+      std::lock_guard lock(mutex_);
+      if (p->st != ucx_peer::state::ready) {
+        return;
+      }
+      p->pending_close = std::move(why);
+    }
+    p->close_requested.store(true, std::memory_order_release);
+    work_cv_.notify_one();
+  }
+
   std::string peer_failure(const ucx_peer* p) const {
     std::lock_guard lock(mutex_);
     return p->st == ucx_peer::state::ready ? std::string{} : p->failure;
@@ -459,7 +475,22 @@ class ucx_engine {
         finish_close(*p);
       }
     }
+    close_requested();
     retire_released();
+  }
+
+  // `ucx_mutex_` held. Carries out `close_peer` requests.
+  void close_requested() {
+    for (auto& p : peers_) {
+      if (p->close_requested.exchange(false, std::memory_order_acq_rel)) {
+        std::string why;
+        {
+          std::lock_guard lock(mutex_);
+          why = std::move(p->pending_close);
+        }
+        start_close(*p, "closed by the engine's owner: " + why);
+      }
+    }
   }
 
   // `ucx_mutex_` held. Closes the endpoints of destroyed tiers that no batch reads from, and

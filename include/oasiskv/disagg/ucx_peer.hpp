@@ -32,6 +32,9 @@ struct ucx_peer {
   //! The tier that connected it is gone (`ucx_engine::disconnect`): closed and dropped once no
   //! batch reads from it.
   std::atomic<bool> released{false};
+  //! `ucx_engine::close_peer` asked for its endpoint to be force-closed.
+  std::atomic<bool> close_requested{false};
+  std::string pending_close;  // its reason (under the engine's caller-side lock)
 };
 
 //! @brief What the engine needs of a remote source tier (`ucx_remote_tier` models it).

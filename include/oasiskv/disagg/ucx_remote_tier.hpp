@@ -187,8 +187,26 @@ class ucx_remote_tier {
     }
     return std::get<heartbeat_ack_msg>(call(h, msg_type::heartbeat_ack)).leases;
   }
-  //! @brief Times the control channel was reopened (resuming the session) after it was in
-  //! doubt.
+  //! @brief After the engine force-closed this exporter's endpoint (a missed deadline, a UCX
+  //! error, `ucx_engine::close_peer`), opens a new endpoint to the same exporter, and the
+  //! control channel if it is in doubt, so batches can go on. The requests opened here keep
+  //! their leases and expected generations: a block the exporter freed meanwhile still fails on
+  //! its generation. A no-op while the endpoint is healthy. Throws what `connect` throws where
+  //! the exporter cannot be reached; call it only while no batch of this tier is in flight.
+  void reconnect() {
+    std::lock_guard lock(call_mutex_);
+    if (broken_) {
+      reopen_channel();
+    }
+    if (engine_->peer_failure(peer_).empty()) {
+      return;
+    }
+    ucx_peer* fresh = engine_->connect(name_, session_.worker_address, session_.arena.rkey,
+                                       session_.generations.rkey);
+    engine_->disconnect(std::exchange(peer_, fresh));
+    ++reconnects_;
+  }
+  //! @brief Times the control channel or the endpoint was reopened.
   std::uint64_t reconnects() const noexcept { return reconnects_; }
 
   // -- remote_block_source ----------------------------------------------------------------------
@@ -243,7 +261,7 @@ class ucx_remote_tier {
 
   // Reopens a channel in doubt: a new connection and handshake that resumes the session, so the
   // exporter moves this tier's leases to the new one. The UCX endpoint is kept.
-  void reconnect() {
+  void reopen_channel() {
     fd_.reset();
     fd_ = connect_tcp(options_.address, options_.port, options_.io_timeout);
     hello_ack_msg ack =
@@ -267,7 +285,7 @@ class ucx_remote_tier {
   // answering earlier requests (calls that timed out) are dropped.
   message call(const message& m, msg_type expected) {
     if (broken_) {
-      reconnect();
+      reopen_channel();
     }
     const std::uint64_t id = ++next_request_;
     const auto deadline = steady::now() + options_.io_timeout;
