@@ -338,3 +338,43 @@ TEST_CASE("exporter: a peer that never reads its replies stalls neither prefill 
   CHECK(decode_once(ex.port(), 2) < ms(2000));  // so does another decode node
   until_closed(fd, ms(5000));
 }
+
+TEST_CASE("exporter: publishing a large request does not hold decode nodes waiting") {
+  // publish summarises every block of the request (seconds for gigabytes of KV), without the
+  // exporter's lock: heartbeats are answered meanwhile, each far sooner than the publish takes.
+  exporter_options eo = quick();
+  eo.io_timeout = ms(5000);
+  const std::uint32_t tokens = 8192 * 16;  // 16384 blocks, 128 MiB
+  kv_exporter ex(layout, 2 * layout.blocks_for(tokens) + 64, eo);
+  disagg_test::publish_pattern(ex, 1, 100);
+  ucx_engine engine({ms(10000), 128});
+  ucx_remote_tier tier(engine, client(ex.port()));
+  const auto slots = ex.allocate(2, tokens);
+  for (const oasiskv::slot_id s : slots) {
+    std::memset(ex.slot_data(s), 0x3c, layout.block_bytes());
+  }
+  std::atomic<bool> publishing{true};
+  const auto t0 = steady::now();
+  std::thread prefill([&] {
+    ex.publish(2);
+    publishing = false;
+  });
+  ms worst{0};
+  int during = 0;
+  while (publishing) {
+    const auto h0 = steady::now();
+    tier.heartbeat();
+    worst = std::max(worst, std::chrono::duration_cast<ms>(steady::now() - h0));
+    during += publishing ? 1 : 0;
+  }
+  prefill.join();
+  const auto took = std::chrono::duration_cast<ms>(steady::now() - t0);
+  MESSAGE("publish of 16384 blocks: ", took.count(), " ms; ", during,
+          " heartbeats answered meanwhile, the slowest in ", worst.count(), " ms");
+  CHECK(during > 0);
+  if (took > ms(100)) {  // long enough for a lock held through it to show
+    CHECK(worst < took / 2);
+  }
+  CHECK(tier.open(2, true).summaries.size() == slots.size() * summary_bytes(layout));
+  tier.release(2);
+}
