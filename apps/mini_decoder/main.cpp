@@ -17,6 +17,7 @@ namespace {
 struct cli_options {
   std::string model, prompt, prompt_file, tokenizer, mode = "dense", draft = "none", compare;
   std::string expect_answer;  // text each answer is checked for (case-insensitive)
+  std::string matmul = "int8";
   decoder_options dec;
   bool chat = false, quiet = false;
   int threads = 1;
@@ -143,6 +144,7 @@ void print_table(const cli_options& cli, const generation_report& r, const gener
 
 int run(cli_options& cli) {
   set_num_threads(cli.threads);
+  set_matmul_activations(matmul_activations_from_string(cli.matmul));
   cli.dec.mode = parse_mode(cli.mode);
   cli.dec.draft = parse_draft(cli.draft);
   if (!cli.compare.empty() && cli.compare != "dense") {
@@ -298,6 +300,11 @@ int main(int argc, char** argv) {
   app.add_option("--threads", cli.threads, "threads for matrix products")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
+  app.add_option("--matmul", cli.matmul,
+                 "activations of the quantized products: int8 (integer dot products) or f32 "
+                 "(weights expanded to f32: exact, slower)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"int8", "f32"}));
   app.add_option("--attention-threads", d.attention_threads, "threads of the attention kernel")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1024u));

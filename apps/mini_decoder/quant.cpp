@@ -9,10 +9,13 @@
 #include <omp.h>
 
 #include <cstring>
+#include <vector>
 
 #include "common.hpp"
+#include "kquants.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/isa.hpp"
+#include "quant_int8.hpp"
 
 extern "C" void openblas_set_num_threads(int);  // OpenBLAS's own; not in cblas.h everywhere
 
@@ -28,6 +31,10 @@ const char* to_string(quant_type t) {
       return "Q4_1";
     case quant_type::q8_0:
       return "Q8_0";
+    case quant_type::q4_k:
+      return "Q4_K";
+    case quant_type::q6_k:
+      return "Q6_K";
   }
   return "?";
 }
@@ -43,14 +50,28 @@ quant_type quant_type_from_gguf(std::uint32_t id, const std::string& tensor,
       return quant_type::q4_1;
     case 8:
       return quant_type::q8_0;
+    case 12:
+      return quant_type::q4_k;
+    case 14:
+      return quant_type::q6_k;
     default:
       fail("GGUF file '", path, "': tensor ", tensor, " has quant type ", id,
-           ", which this decoder does not support (supported: F32=0, F16=1, Q4_1=3, Q8_0=8)");
+           ", which this decoder does not support (supported: F32=0, F16=1, Q4_1=3, Q8_0=8, "
+           "Q4_K=12, Q6_K=14)");
   }
 }
 
 std::uint32_t block_elements(quant_type t) {
-  return t == quant_type::q4_1 || t == quant_type::q8_0 ? 32u : 1u;
+  switch (t) {
+    case quant_type::q4_1:
+    case quant_type::q8_0:
+      return 32;
+    case quant_type::q4_k:
+    case quant_type::q6_k:
+      return qk_k;
+    default:
+      return 1;
+  }
 }
 std::size_t block_bytes(quant_type t) {
   switch (t) {
@@ -62,6 +83,10 @@ std::size_t block_bytes(quant_type t) {
       return 20;  // f16 d, f16 m, 16 bytes of nibbles
     case quant_type::q8_0:
       return 34;  // f16 d, 32 int8
+    case quant_type::q4_k:
+      return q4_k_block_bytes;
+    case quant_type::q6_k:
+      return q6_k_block_bytes;
   }
   return 0;
 }
@@ -297,20 +322,54 @@ OASISKV_TARGET_AVX2 void matmul_avx2(const weight_matrix& w, const float* x, std
 using matmul_fn = void (*)(const weight_matrix&, const float*, std::uint32_t, float*, std::uint32_t,
                            std::uint32_t);
 
+// The f32 product of a K-quant matrix: each row expanded to f32, then dotted with f32
+// activations (the reference for the K-quants' int8 path, not a fast one).
+void matmul_dequantized(const weight_matrix& w, const float* x, std::uint32_t n, float* y,
+                        std::uint32_t r0, std::uint32_t r1) {
+  thread_local std::vector<float> row;
+  row.resize(w.cols);
+  for (std::uint32_t r = r0; r < r1; ++r) {
+    dequantize_row(w, r, row.data());
+    for (std::uint32_t t = 0; t < n; ++t) {
+      const float* xt = x + std::size_t{t} * w.cols;
+      float acc = 0.0f;
+      for (std::uint32_t c = 0; c < w.cols; ++c) {
+        acc += row[c] * xt[c];
+      }
+      y[std::size_t{t} * w.rows + r] = acc;
+    }
+  }
+}
+
 struct isa_choice {
-  matmul_fn fn;
-  const char* name;
+  matmul_fn fn;      // the f32-activation path
+  dot_isa dot;       // the int8-activation path
+  const char* name;  // of the f32 path
 };
 
-isa_choice best_isa() {
-  switch (oasiskv::resolve_isa(oasiskv::cpu_isa::best)) {
-    case oasiskv::cpu_isa::avx512:
-      return {matmul_avx512, "avx512"};
-    case oasiskv::cpu_isa::avx2:
-      return {matmul_avx2, "avx2"};
-    default:
-      return {matmul_scalar, "scalar"};
+dot_isa best_dot_isa(oasiskv::cpu_isa isa) {
+  if (isa == oasiskv::cpu_isa::avx512 && dot_isa_supported(dot_isa::avx512_vnni)) {
+    return dot_isa::avx512_vnni;
   }
+  if (isa != oasiskv::cpu_isa::scalar && dot_isa_supported(dot_isa::avx2)) {
+    return dot_isa::avx2;
+  }
+  return dot_isa::scalar;
+}
+
+isa_choice choice_for(oasiskv::cpu_isa isa) {
+  switch (isa) {
+    case oasiskv::cpu_isa::avx512:
+      return {matmul_avx512, best_dot_isa(isa), "avx512"};
+    case oasiskv::cpu_isa::avx2:
+      return {matmul_avx2, best_dot_isa(isa), "avx2"};
+    default:
+      return {matmul_scalar, dot_isa::scalar, "scalar"};
+  }
+}
+
+isa_choice best_isa() {
+  return choice_for(oasiskv::resolve_isa(oasiskv::cpu_isa::best));
 }
 
 isa_choice& current_isa() {
@@ -318,10 +377,73 @@ isa_choice& current_isa() {
   return c;
 }
 
+matmul_activations& current_activations() {
+  static matmul_activations a = matmul_activations::int8;
+  return a;
+}
+
+// Chunks of 16 rows: enough work per task, and whole cache lines of y per thread.
+template <typename F>
+void for_row_chunks(std::uint32_t rows, F&& f) {
+  const std::int64_t chunks = (rows + 15) / 16;
+#pragma omp parallel for schedule(static)
+  for (std::int64_t ch = 0; ch < chunks; ++ch) {
+    const auto r0 = static_cast<std::uint32_t>(ch * 16);
+    f(r0, std::min(rows, r0 + 16));
+  }
+}
+
+void matmul_k_int8(const weight_matrix& w, const float* x, std::uint32_t n, float* y, dot_isa isa) {
+  const kdot_fn fn = w.type == quant_type::q4_k ? kdot_q4_k(isa) : kdot_q6_k(isa);
+  const std::uint32_t nb = w.cols / qk_k;
+  thread_local std::vector<q8k_block> xq;
+  xq.resize(std::size_t{n} * nb);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    quantize_q8_k(x + std::size_t{t} * w.cols, w.cols, xq.data() + std::size_t{t} * nb);
+  }
+  const q8k_block* xs = xq.data();
+  for_row_chunks(w.rows, [&](std::uint32_t r0, std::uint32_t r1) {
+    float out[4];
+    for (std::uint32_t r = r0; r < r1; ++r) {
+      for (std::uint32_t t = 0; t < n; t += 4) {
+        const std::uint32_t nt = std::min<std::uint32_t>(4, n - t);
+        fn(w.row(r), xs + std::size_t{t} * nb, nb, nt, nb, out);
+        for (std::uint32_t i = 0; i < nt; ++i) {
+          y[std::size_t{t + i} * w.rows + r] = out[i];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
-const char* matmul_isa() {
-  return current_isa().name;
+const char* to_string(matmul_activations a) {
+  return a == matmul_activations::int8 ? "int8" : "f32";
+}
+
+matmul_activations matmul_activations_from_string(const std::string& s) {
+  if (s == "int8") {
+    return matmul_activations::int8;
+  }
+  if (s == "f32") {
+    return matmul_activations::f32;
+  }
+  fail("matmul activations '", s, "' is unknown (int8 or f32)");
+}
+
+void set_matmul_activations(matmul_activations a) {
+  current_activations() = a;
+}
+
+matmul_activations get_matmul_activations() {
+  return current_activations();
+}
+
+std::string matmul_isa() {
+  const isa_choice& c = current_isa();
+  return current_activations() == matmul_activations::int8 ? std::string(to_string(c.dot)) + " int8"
+                                                           : std::string(c.name) + " f32";
 }
 
 void force_matmul_isa(const std::string& isa) {
@@ -329,9 +451,9 @@ void force_matmul_isa(const std::string& isa) {
   if (isa == "best") {
     current_isa() = best;
   } else if (isa == "scalar") {
-    current_isa() = {matmul_scalar, "scalar"};
+    current_isa() = choice_for(oasiskv::cpu_isa::scalar);
   } else if (isa == "avx2" && best.fn != matmul_scalar) {
-    current_isa() = {matmul_avx2, "avx2"};
+    current_isa() = choice_for(oasiskv::cpu_isa::avx2);
   } else if (isa == "avx512" && best.fn == matmul_avx512) {
     current_isa() = best;
   } else {
@@ -350,6 +472,12 @@ void dequantize_row(const weight_matrix& w, std::uint32_t r, float* out) {
         out[c] = f16_to_f32(load_u16(row + 2 * c));
       }
       break;
+    case quant_type::q4_k:
+      dequantize_q4_k(row, w.cols, out);
+      break;
+    case quant_type::q6_k:
+      dequantize_q6_k(row, w.cols, out);
+      break;
     default:
       for (std::uint32_t c = 0; c < w.cols; c += 32) {
         dequant_block_scalar(w.type, row + c / 32 * block_bytes(w.type), out + c);
@@ -367,14 +495,27 @@ void dequantize(const weight_matrix& w, std::vector<float>& out) {
 }
 
 void matmul_quantized(const weight_matrix& w, const float* x, std::uint32_t n, float* y) {
-  const matmul_fn fn = current_isa().fn;
-  // Chunks of 16 rows: enough work per task, and whole cache lines of y per thread.
-  const std::int64_t chunks = (w.rows + 15) / 16;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t ch = 0; ch < chunks; ++ch) {
-    const auto r0 = static_cast<std::uint32_t>(ch * 16);
-    fn(w, x, n, y, r0, std::min(w.rows, r0 + 16));
+  if (n == 0) {
+    return;
   }
+  const isa_choice& c = current_isa();
+  const bool k_quant = w.type == quant_type::q4_k || w.type == quant_type::q6_k;
+  if (current_activations() == matmul_activations::int8) {
+    if (w.type == quant_type::q4_1 || w.type == quant_type::q8_0) {
+      thread_local q8_activations buffer;
+      q8_activations& a = buffer;  // the workers read the calling thread's buffer
+      quantize_activations(x, n, w.cols, a);
+      const int8_matmul_fn fn = int8_matmul_kernel(w.type, c.dot);
+      for_row_chunks(w.rows, [&](std::uint32_t r0, std::uint32_t r1) { fn(w, a, y, r0, r1); });
+      return;
+    }
+    if (k_quant) {
+      matmul_k_int8(w, x, n, y, c.dot);
+      return;
+    }
+  }
+  const matmul_fn fn = k_quant ? matmul_dequantized : c.fn;
+  for_row_chunks(w.rows, [&](std::uint32_t r0, std::uint32_t r1) { fn(w, x, n, y, r0, r1); });
 }
 
 void matmul_prefill(const weight_matrix& w, const float* x, std::uint32_t n, float* y,

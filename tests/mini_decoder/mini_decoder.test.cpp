@@ -388,7 +388,7 @@ TEST_CASE("bad input gives one clear error") {
     CHECK(error_of([&] { load_model(p); }).find("truncated") != std::string::npos);
   }
   SUBCASE("unknown quant type") {
-    // A GGUF v3 header with no metadata and one tensor of ggml type 12 (Q4_K).
+    // A GGUF v3 header with no metadata and one tensor of ggml type 13 (Q5_K).
     std::string b("GGUF", 4);
     auto put = [&](auto v) {
       b.append(reinterpret_cast<const char*>(&v), sizeof(v));
@@ -400,12 +400,12 @@ TEST_CASE("bad input gives one clear error") {
     b += "blk0";
     put(std::uint32_t{1});
     put(std::uint64_t{256});
-    put(std::uint32_t{12});
+    put(std::uint32_t{13});
     put(std::uint64_t{0});
     b += std::string(1024, '\0');
-    const auto p = temp_file("q4k.gguf", b);
+    const auto p = temp_file("q5k.gguf", b);
     const auto e = error_of([&] { load_model(p); });
-    CHECK(e.find("quant type 12") != std::string::npos);
+    CHECK(e.find("quant type 13") != std::string::npos);
   }
   SUBCASE("prompt longer than the context") {
     const model& m = stories_model();

@@ -1,0 +1,271 @@
+// SPDX-License-Identifier: Apache-2.0
+// The mini-decoder's int8 products of Q4_1 and Q8_0 matrices (apps/mini_decoder/quant_int8.cpp):
+// every code path this CPU runs against a double-precision model of the same quantized
+// product, the activation quantization against its definition, the int8 product against the
+// f32 one within the bound that activation rounding allows, and per-token results that do not
+// depend on how many tokens share a call.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "oasiskv/core/dtype.hpp"
+#include "quant.hpp"
+#include "quant_int8.hpp"
+
+using namespace mini_decoder;
+
+namespace {
+
+std::uint16_t f16_bits(float v) {
+  return oasiskv::f16::from_float(v).bits;
+}
+
+// A row-major matrix of random blocks: scales drawn from [lo, hi), random quant bytes.
+struct test_matrix {
+  std::vector<std::byte> bytes;
+  weight_matrix w;
+  test_matrix(quant_type t, std::uint32_t rows, std::uint32_t cols, std::mt19937& rng) {
+    const std::size_t rb = row_bytes(t, cols);
+    bytes.resize(rb * rows);
+    std::uniform_real_distribution<float> scale(0.002f, 0.05f), offset(-0.2f, 0.2f);
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (std::size_t i = 0; i < bytes.size(); ++i) {
+      bytes[i] = std::byte(static_cast<unsigned char>(byte(rng)));
+    }
+    const std::size_t bb = block_bytes(t);
+    for (std::size_t off = 0; off < bytes.size(); off += bb) {
+      const std::uint16_t d = f16_bits(scale(rng)), m = f16_bits(offset(rng));
+      std::memcpy(&bytes[off], &d, 2);
+      if (t == quant_type::q4_1) {
+        std::memcpy(&bytes[off + 2], &m, 2);
+      }
+    }
+    w = weight_matrix{t, bytes.data(), rows, cols, rb};
+  }
+};
+
+std::vector<float> random_activations(std::uint32_t n, std::uint32_t cols, std::mt19937& rng) {
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> x(std::size_t{n} * cols);
+  for (float& v : x) {
+    v = g(rng);
+  }
+  // One all-zero block and one block with a single large value: scale 0 and a coarse scale.
+  if (cols >= 64) {
+    std::fill(x.begin() + 32, x.begin() + 64, 0.0f);
+    x[5] = 40.0f;
+  }
+  return x;
+}
+
+// The model: the quantized product in double, from dequantized weights and the activations'
+// own d * q, summed in a plain loop.
+double model_dot(const weight_matrix& w, std::uint32_t r, const q8_activations& a,
+                 std::uint32_t t) {
+  std::vector<float> wr(w.cols);
+  dequantize_row(w, r, wr.data());
+  double sum = 0.0;
+  for (std::uint32_t c = 0; c < w.cols; ++c) {
+    const double x = double{a.d[t * a.d_stride() + c / 32]} * a.q[t * a.q_stride() + c];
+    sum += double{wr[c]} * x;
+  }
+  return sum;
+}
+
+double abs_dot(const weight_matrix& w, std::uint32_t r, const q8_activations& a, std::uint32_t t) {
+  std::vector<float> wr(w.cols);
+  dequantize_row(w, r, wr.data());
+  double sum = 0.0;
+  for (std::uint32_t c = 0; c < w.cols; ++c) {
+    sum += std::abs(double{wr[c]} * a.d[t * a.d_stride() + c / 32] * a.q[t * a.q_stride() + c]);
+  }
+  return sum;
+}
+
+std::vector<dot_isa> paths_here() {
+  std::vector<dot_isa> p;
+  for (dot_isa i : {dot_isa::scalar, dot_isa::avx2, dot_isa::avx512_vnni}) {
+    if (dot_isa_supported(i)) {
+      p.push_back(i);
+    }
+  }
+  return p;
+}
+
+// Restores the process-wide matmul settings at scope exit.
+struct matmul_settings_guard {
+  matmul_activations a = get_matmul_activations();
+  ~matmul_settings_guard() {
+    set_matmul_activations(a);
+    force_matmul_isa("best");
+  }
+};
+
+}  // namespace
+
+TEST_CASE("quant int8: activations quantized per 32-value block as defined") {
+  std::mt19937 rng(7);
+  const std::uint32_t n = 3, cols = 160;
+  const auto x = random_activations(n, cols, rng);
+  q8_activations a;
+  quantize_activations(x.data(), n, cols, a);
+  REQUIRE(a.blocks == 5);
+  REQUIRE(a.groups == 2);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    for (std::uint32_t b = 0; b < a.blocks; ++b) {
+      float amax = 0.0f;
+      for (int j = 0; j < 32; ++j) {
+        amax = std::max(amax, std::abs(x[t * cols + 32 * b + j]));
+      }
+      const float d = a.d[t * a.d_stride() + b];
+      CHECK(d == amax / 127.0f);
+      std::int32_t sum = 0;
+      for (std::uint32_t j = 0; j < 32; ++j) {
+        const std::uint32_t c = 32 * b + j;
+        const std::int8_t q = a.q[t * a.q_stride() + c];
+        sum += q;
+        // Round to nearest: within half a step of the value, and never past +-127.
+        CHECK(std::abs(x[t * cols + c] - d * q) <= 0.5f * d * (1.0f + 1e-6f));
+        CHECK(std::abs(int{q}) <= 127);
+        // The split copy holds the same values in the AVX-512 Q4_1 order.
+        const std::uint32_t g = b / 4, k = b % 4;
+        const std::size_t at = 128 * g + (j < 16 ? 16 * k + j : 64 + 16 * k + (j - 16));
+        CHECK(a.q_split[t * a.q_stride() + at] == q);
+      }
+      CHECK(a.s[t * a.d_stride() + b] == d * static_cast<float>(sum));
+    }
+    // Padding to a whole 4-block group is zero.
+    for (std::size_t c = a.blocks * 32; c < a.q_stride(); ++c) {
+      CHECK(a.q[t * a.q_stride() + c] == 0);
+    }
+  }
+}
+
+TEST_CASE("quant int8: every path equals the double model of the quantized product") {
+  std::mt19937 rng(11);
+  const auto paths = paths_here();
+  REQUIRE(!paths.empty());
+  MESSAGE("int8 matmul paths on this CPU: " << paths.size());
+  for (const quant_type t : {quant_type::q4_1, quant_type::q8_0}) {
+    // 1-9 blocks cover every partial 4-block group (Q4_1) and odd block counts (Q8_0); 576 is
+    // SmolLM2's width.
+    for (const std::uint32_t cols : {32u, 64u, 96u, 128u, 160u, 224u, 288u, 576u}) {
+      const std::uint32_t rows = 37, n = 5;
+      test_matrix m(t, rows, cols, rng);
+      const auto x = random_activations(n, cols, rng);
+      q8_activations a;
+      quantize_activations(x.data(), n, cols, a);
+      for (const dot_isa isa : paths) {
+        CAPTURE(to_string(t));
+        CAPTURE(cols);
+        CAPTURE(to_string(isa));
+        std::vector<float> y(std::size_t{n} * rows, std::nanf(""));
+        // Two row ranges, as the threads split them.
+        int8_matmul_kernel(t, isa)(m.w, a, y.data(), 0, 16);
+        int8_matmul_kernel(t, isa)(m.w, a, y.data(), 16, rows);
+        for (std::uint32_t tok = 0; tok < n; ++tok) {
+          for (std::uint32_t r = 0; r < rows; ++r) {
+            const double want = model_dot(m.w, r, a, tok);
+            const double tol = 1e-5 * abs_dot(m.w, r, a, tok) + 1e-6;
+            const double err = std::abs(double{y[tok * rows + r]} - want);
+            CHECK(err <= tol);  // false for a NaN
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("quant int8: a token's result does not depend on how many tokens share the call") {
+  std::mt19937 rng(13);
+  for (const quant_type t : {quant_type::q4_1, quant_type::q8_0}) {
+    const std::uint32_t rows = 19, cols = 288, n = 7;
+    test_matrix m(t, rows, cols, rng);
+    const auto x = random_activations(n, cols, rng);
+    for (const dot_isa isa : paths_here()) {
+      CAPTURE(to_string(t));
+      CAPTURE(to_string(isa));
+      q8_activations all;
+      quantize_activations(x.data(), n, cols, all);
+      std::vector<float> y_all(std::size_t{n} * rows);
+      int8_matmul_kernel(t, isa)(m.w, all, y_all.data(), 0, rows);
+      for (std::uint32_t tok = 0; tok < n; ++tok) {
+        q8_activations one;
+        quantize_activations(x.data() + std::size_t{tok} * cols, 1, cols, one);
+        std::vector<float> y_one(rows);
+        int8_matmul_kernel(t, isa)(m.w, one, y_one.data(), 0, rows);
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          CHECK(std::memcmp(&y_one[r], &y_all[tok * rows + r], sizeof(float)) == 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("quant int8: matmul_quantized stays within activation rounding of the f32 product") {
+  std::mt19937 rng(17);
+  matmul_settings_guard guard;
+  for (const quant_type t : {quant_type::q4_1, quant_type::q8_0}) {
+    const std::uint32_t rows = 64, cols = 576, n = 3;
+    test_matrix m(t, rows, cols, rng);
+    const auto x = random_activations(n, cols, rng);
+    std::vector<float> exact(std::size_t{n} * rows), int8(std::size_t{n} * rows);
+    set_matmul_activations(matmul_activations::f32);
+    matmul_quantized(m.w, x.data(), n, exact.data());
+    set_matmul_activations(matmul_activations::int8);
+    matmul_quantized(m.w, x.data(), n, int8.data());
+    CHECK(matmul_isa().find("int8") != std::string::npos);
+    q8_activations a;
+    quantize_activations(x.data(), n, cols, a);
+    std::vector<float> wr(cols);
+    for (std::uint32_t tok = 0; tok < n; ++tok) {
+      for (std::uint32_t r = 0; r < rows; ++r) {
+        // |x - d q| <= d/2 per value, so the products differ by at most sum |w| d / 2, plus
+        // the f32 rounding of both sums.
+        dequantize_row(m.w, r, wr.data());
+        double bound = 0.0, mag = 0.0;
+        for (std::uint32_t c = 0; c < cols; ++c) {
+          bound += std::abs(double{wr[c]}) * a.d[tok * a.d_stride() + c / 32] / 2;
+          mag += std::abs(double{wr[c]} * x[tok * cols + c]);
+        }
+        const double err = std::abs(double{int8[tok * rows + r]} - exact[tok * rows + r]);
+        CHECK(err <= bound + 1e-5 * mag);
+      }
+    }
+  }
+}
+
+TEST_CASE("quant int8: settings and bad input") {
+  matmul_settings_guard guard;
+  CHECK(matmul_activations_from_string("f32") == matmul_activations::f32);
+  CHECK(matmul_activations_from_string("int8") == matmul_activations::int8);
+  auto error_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(error_of([] { matmul_activations_from_string("int4"); }).find("'int4'") !=
+        std::string::npos);
+  CHECK(error_of([] { force_matmul_isa("neon"); }).find("'neon'") != std::string::npos);
+  std::vector<float> x(48, 1.0f);
+  q8_activations a;
+  CHECK(error_of([&] { quantize_activations(x.data(), 1, 48, a); }).find("48 columns") !=
+        std::string::npos);
+  x.resize(64);
+  x[40] = std::nanf("");
+  CHECK(error_of([&] { quantize_activations(x.data(), 1, 64, a); }).find("columns 32-63") !=
+        std::string::npos);
+  CHECK(error_of([] { int8_matmul_kernel(quant_type::f16, dot_isa::scalar); }).find("F16") !=
+        std::string::npos);
+  force_matmul_isa("scalar");
+  CHECK(matmul_isa() == "scalar int8");
+  set_matmul_activations(matmul_activations::f32);
+  CHECK(matmul_isa() == "scalar f32");
+}
