@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+// The mini-decoder's quantized products (apps/mini_decoder/quant.cpp) against the memory-read
+// limit.
+//
+// Decode multiplies every weight matrix by one token's activations (or a few: the verification
+// of drafted tokens), so its floor is the time to read the weight bytes. Each row multiplies a
+// set of matrices that together exceed the caches (256 MiB of weights, read in turn as a
+// forward pass reads its layers) and reports bytes_per_second over the weight bytes and
+// frac_of_read_bw: that rate divided by the read bandwidth of a vectorised byte-sum probe over
+// the same weights, in this process, at the same thread count (median of 11 runs right after the
+// row's timed loop). Rows:
+//   probe/<shape>/<type>/threads:N                 the read-bandwidth probe over the weights
+//   matvec/<shape>/<type>/<int8|f32>/n:T/threads:N matmul_quantized of T tokens, activations
+//                                                  quantized to int8 (integer dot products) or
+//                                                  kept in f32 (weights expanded to f32)
+//   prefill_sgemm/<shape>/<type>/n:T/threads:N     matmul_prefill (weights expanded, OpenBLAS
+//                                                  sgemm): the batched f32 baseline
+// Shapes: smollm2 (1536 x 576, SmolLM2-135M's FFN up/gate) and llama8b (4096 x 4096, a
+// Llama-3-8B attention projection). Types: Q4_1 and Q8_0 (random blocks with sane scales).
+//   build/release/bench/matvec_bench [--benchmark_filter=...]
+// GCC 12 reports the `_mm512_undefined_*` placeholders inside its own AVX-512 headers as
+// (maybe-)uninitialized (a known false positive); silence it for this file's intrinsics only.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/isa.hpp"
+#include "quant.hpp"
+
+namespace {
+
+using namespace mini_decoder;
+
+struct shape {
+  const char* name;
+  std::uint32_t rows, cols;
+};
+constexpr shape shapes[] = {{"smollm2", 1536, 576}, {"llama8b", 4096, 4096}};
+constexpr std::size_t weight_bytes = std::size_t{256} << 20;
+
+// A set of matrices of one shape and type, adjacent in one buffer, 256 MiB in all.
+struct fixture {
+  std::vector<std::byte> mem;
+  std::vector<weight_matrix> mats;
+};
+
+fixture& get_fixture(const shape& s, quant_type t) {
+  static std::map<std::pair<const shape*, quant_type>, std::unique_ptr<fixture>> cache;
+  auto& f = cache[{&s, t}];
+  if (!f) {
+    f = std::make_unique<fixture>();
+    const std::size_t rb = row_bytes(t, s.cols), mb = rb * s.rows;
+    const std::size_t count = std::max<std::size_t>(1, weight_bytes / mb);
+    f->mem.resize(count * mb);
+    std::mt19937 rng(1);
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (auto& b : f->mem) {
+      b = std::byte(static_cast<unsigned char>(byte(rng)));
+    }
+    const std::size_t bb = block_bytes(t);
+    const std::uint16_t d = oasiskv::f16::from_float(0.01f).bits;
+    const std::uint16_t m = oasiskv::f16::from_float(-0.05f).bits;
+    for (std::size_t off = 0; off < f->mem.size(); off += bb) {
+      std::memcpy(&f->mem[off], &d, 2);
+      if (t == quant_type::q4_1) {
+        std::memcpy(&f->mem[off + 2], &m, 2);
+      }
+    }
+    for (std::size_t i = 0; i < count; ++i) {
+      f->mats.push_back(weight_matrix{t, f->mem.data() + i * mb, s.rows, s.cols, rb});
+    }
+  }
+  return *f;
+}
+
+// ---- read-bandwidth probe: the sum of every byte (vpsadbw), split over the OpenMP threads ---
+
+#if OASISKV_X86_KERNELS
+OASISKV_TARGET_AVX512 std::uint64_t byte_sum_avx512(const std::byte* p, std::size_t n) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+  std::size_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_add_epi64(a0, _mm512_sad_epu8(_mm512_loadu_si512(p + i), zero));
+    a1 = _mm512_add_epi64(a1, _mm512_sad_epu8(_mm512_loadu_si512(p + i + 64), zero));
+    a2 = _mm512_add_epi64(a2, _mm512_sad_epu8(_mm512_loadu_si512(p + i + 128), zero));
+    a3 = _mm512_add_epi64(a3, _mm512_sad_epu8(_mm512_loadu_si512(p + i + 192), zero));
+  }
+  std::uint64_t s = static_cast<std::uint64_t>(_mm512_reduce_add_epi64(
+      _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
+  for (; i < n; ++i) {
+    s += static_cast<std::uint8_t>(p[i]);
+  }
+  return s;
+}
+#endif
+
+std::uint64_t byte_sum(const std::byte* p, std::size_t n) {
+#if OASISKV_X86_KERNELS
+  if (oasiskv::isa_supported(oasiskv::cpu_isa::avx512)) {
+    return byte_sum_avx512(p, n);
+  }
+#endif
+  std::uint64_t s = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    s += static_cast<std::uint8_t>(p[i]);
+  }
+  return s;
+}
+
+std::uint64_t probe_run(const std::vector<std::byte>& mem) {
+  std::uint64_t total = 0;
+  const std::int64_t chunks = 256;
+  const std::size_t chunk = (mem.size() / chunks + 4095) / 4096 * 4096;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+  for (std::int64_t i = 0; i < chunks; ++i) {
+    const std::size_t b = std::min(mem.size(), static_cast<std::size_t>(i) * chunk);
+    total += byte_sum(mem.data() + b, std::min(mem.size(), b + chunk) - b);
+  }
+  return total;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Median probe bandwidth (bytes/s), measured right after the row's timed loop.
+double reference_bandwidth(const std::vector<std::byte>& mem) {
+  std::vector<double> rates;
+  for (int i = 0; i < 12; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(probe_run(mem));
+    if (i >= 1) {  // the first run warms caches and TLBs
+      rates.push_back(static_cast<double>(mem.size()) / seconds_since(t0));
+    }
+  }
+  std::nth_element(rates.begin(), rates.begin() + rates.size() / 2, rates.end());
+  return rates[rates.size() / 2];
+}
+
+void bm_probe(benchmark::State& state, const shape* s, quant_type t, int threads) {
+  set_num_threads(threads);
+  const fixture& f = get_fixture(*s, t);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(probe_run(f.mem));
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * f.mem.size()));
+}
+
+void bm_matvec(benchmark::State& state, const shape* s, quant_type t, matmul_activations act,
+               std::uint32_t n, int threads) {
+  set_num_threads(threads);
+  const matmul_activations before = get_matmul_activations();
+  set_matmul_activations(act);
+  const fixture& f = get_fixture(*s, t);
+  std::vector<float> x(std::size_t{n} * s->cols), y(std::size_t{n} * s->rows);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> g;
+  for (float& v : x) {
+    v = g(rng);
+  }
+  std::size_t next = 0, bytes = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    const weight_matrix& w = f.mats[next];
+    next = (next + 1) % f.mats.size();
+    matmul_quantized(w, x.data(), n, y.data());
+    benchmark::DoNotOptimize(y.data());
+    bytes += w.row_stride * w.rows;
+  }
+  const double secs = seconds_since(t0);
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes));
+  state.counters["frac_of_read_bw"] =
+      static_cast<double>(bytes) / secs / reference_bandwidth(f.mem);
+  state.counters["tokens_x_rows_per_s"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * n * s->rows, benchmark::Counter::kIsRate);
+  state.SetLabel(matmul_isa());
+  set_matmul_activations(before);
+}
+
+void bm_prefill_sgemm(benchmark::State& state, const shape* s, quant_type t, std::uint32_t n,
+                      int threads) {
+  set_num_threads(threads);
+  const fixture& f = get_fixture(*s, t);
+  std::vector<float> x(std::size_t{n} * s->cols, 0.5f), y(std::size_t{n} * s->rows), scratch;
+  std::size_t next = 0;
+  for (auto _ : state) {
+    matmul_prefill(f.mats[next], x.data(), n, y.data(), scratch);
+    next = (next + 1) % f.mats.size();
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["tokens_x_rows_per_s"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * n * s->rows, benchmark::Counter::kIsRate);
+}
+
+const int registered = [] {
+  const int max_threads = omp_get_num_procs();
+  for (const shape& s : shapes) {
+    for (const quant_type t : {quant_type::q4_1, quant_type::q8_0}) {
+      const std::string st = std::string(s.name) + "/" + to_string(t);
+      for (int th = 1; th <= std::min(2, max_threads); ++th) {
+        const std::string ts = "/threads:" + std::to_string(th);
+        benchmark::RegisterBenchmark(("probe/" + st + ts).c_str(), bm_probe, &s, t, th)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        for (const matmul_activations a : {matmul_activations::int8, matmul_activations::f32}) {
+          for (const std::uint32_t n : {1u, 4u, 16u, 64u}) {
+            benchmark::RegisterBenchmark(
+                ("matvec/" + st + "/" + to_string(a) + "/n:" + std::to_string(n) + ts).c_str(),
+                bm_matvec, &s, t, a, n, th)
+                ->Unit(benchmark::kMicrosecond)
+                ->UseRealTime();
+          }
+        }
+        for (const std::uint32_t n : {16u, 64u}) {
+          benchmark::RegisterBenchmark(
+              ("prefill_sgemm/" + st + "/n:" + std::to_string(n) + ts).c_str(), bm_prefill_sgemm,
+              &s, t, n, th)
+              ->Unit(benchmark::kMicrosecond)
+              ->UseRealTime();
+        }
+      }
+    }
+  }
+  return 0;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();
