@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/summary/cpu/simd_math.hpp"
 
 namespace mini_decoder {
 
@@ -150,14 +151,10 @@ void transformer::attention_prefill(const float* q, const float* k, const float*
       for (std::int64_t i = 0; i < irows; ++i) {
         float* s = scores_.data() + static_cast<std::size_t>(i) * keys;
         const std::uint32_t last = r0 + static_cast<std::uint32_t>(i);
-        float mx = -std::numeric_limits<float>::infinity();
-        for (std::uint32_t j = 0; j <= last; ++j)
-          mx = std::max(mx, s[j]);
-        float sum = 0.0f;
-        for (std::uint32_t j = 0; j <= last; ++j) {
-          s[j] = expf(s[j] - mx);
-          sum += s[j];
-        }
+        // The library's vectorised softmax pieces: a scalar expf per score made the softmax,
+        // not the two products, the larger part of a long prompt's prefill.
+        const float mx = oasiskv::detail::clamp_finite_max(s, last + 1, s);
+        const float sum = oasiskv::detail::exp_sum(s, mx, last + 1, 1.0f, s);
         const float inv = 1.0f / sum;
         for (std::uint32_t j = 0; j <= last; ++j)
           s[j] *= inv;
