@@ -82,6 +82,11 @@ void q8_0_scalar(const weight_matrix& w, const q8_activations& a, float* y, std:
 
 #if OASISKV_X86_KERNELS
 
+// One f16 scale through F16C (the portable `f16_to_f32` is a bit-manipulating function call).
+OASISKV_TARGET_AVX2 inline float load_f16c(const std::byte* p) {
+  return _cvtsh_ss(load_u16(p));
+}
+
 // Decode streams the weights once: a software prefetch this far ahead of the kernel keeps
 // enough lines in flight for one core to reach the memory's read bandwidth (the hardware
 // prefetcher alone leaves a single-threaded product at about half of it). Prefetches past the
@@ -123,14 +128,14 @@ OASISKV_TARGET_AVX2 void row_avx2(const std::byte* row, const q8_activations& a,
         _MM_HINT_T0);
     if constexpr (Q4) {
       const std::byte* blk = row + b * q4_1_bytes;
-      wd = load_f16(blk);
-      wm = load_f16(blk + 2);
+      wd = load_f16c(blk);
+      wm = load_f16c(blk + 2);
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
       const __m128i f = _mm_set1_epi8(0x0F);
       wu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), f), _mm_and_si128(v, f));
     } else {
       const std::byte* blk = row + b * q8_0_bytes;
-      wd = load_f16(blk);
+      wd = load_f16c(blk);
       wsign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       wu = _mm256_abs_epi8(wsign);
     }
@@ -257,11 +262,11 @@ OASISKV_TARGET_AVX512VNNI void q8_0_row_avx512(const std::byte* row, const q8_ac
       wv = _mm512_inserti64x4(
           _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2))),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + q8_0_bytes + 2)), 1);
-      wd = _mm512_insertf32x8(_mm512_set1_ps(load_f16(p)), _mm256_set1_ps(load_f16(p + q8_0_bytes)),
-                              1);
+      wd = _mm512_insertf32x8(_mm512_set1_ps(load_f16c(p)),
+                              _mm256_set1_ps(load_f16c(p + q8_0_bytes)), 1);
     } else {  // an odd last block: the upper half stays zero
       wv = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)));
-      wd = _mm512_zextps256_ps512(_mm256_set1_ps(load_f16(p)));
+      wd = _mm512_zextps256_ps512(_mm256_set1_ps(load_f16c(p)));
     }
     const __m512i wu = _mm512_abs_epi8(wv);
     const __mmask64 neg = _mm512_movepi8_mask(wv);
@@ -314,6 +319,67 @@ OASISKV_TARGET_AVX512VNNI void matmul_avx512(const weight_matrix& w, const q8_ac
 
 }  // namespace
 
+namespace {
+
+struct block_scale {
+  float d;
+  std::int32_t sum;
+  bool finite;
+};
+
+// One block of 32: d = max|x| / 127, q = x / d rounded to nearest (ties to even).
+block_scale quantize_block_scalar(const float* x, std::int8_t* q) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < 32; ++j) {
+    const float v = std::fabs(x[j]);
+    finite = finite && v <= std::numeric_limits<float>::max();  // false for NaN and inf
+    amax = v > amax ? v : amax;
+  }
+  const float d = amax / 127.0f;
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+  std::int32_t sum = 0;
+  for (int j = 0; j < 32; ++j) {
+    q[j] = static_cast<std::int8_t>(std::nearbyint(x[j] * inv));
+    sum += q[j];
+  }
+  return {d, sum, finite};
+}
+
+#if OASISKV_X86_KERNELS
+// The same values as the scalar path: the same max, the same products, and cvtps2dq rounds to
+// nearest even as nearbyint does in the default rounding mode.
+OASISKV_TARGET_AVX512 block_scale quantize_block_avx512(const float* x, std::int8_t* q) {
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+  const __m512 lim = _mm512_set1_ps(std::numeric_limits<float>::max());
+  // Ordered compares: false for NaN, so a NaN or an infinity clears its bit.
+  const bool finite =
+      (_mm512_cmp_ps_mask(a0, lim, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, lim, _CMP_LE_OQ)) == 0xFFFF;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+  const float d = amax / 127.0f;
+  const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv));
+  const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
+  const std::int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  return {d, sum, finite};
+}
+#endif
+
+block_scale quantize_block(const float* x, std::int8_t* q) {
+#if OASISKV_X86_KERNELS
+  static const bool avx512 = oasiskv::isa_supported(oasiskv::cpu_isa::avx512);
+  if (avx512) {
+    return quantize_block_avx512(x, q);
+  }
+#endif
+  return quantize_block_scalar(x, q);
+}
+
+}  // namespace
+
 void quantize_activations(const float* x, std::uint32_t n, std::uint32_t cols, q8_activations& a) {
   if (cols == 0 || cols % 32 != 0) {
     fail("quantize_activations: ", cols, " columns is not a positive multiple of 32");
@@ -334,25 +400,13 @@ void quantize_activations(const float* x, std::uint32_t n, std::uint32_t cols, q
     std::int8_t* q = a.q.data() + t * a.q_stride();
     std::int8_t* qsplit = a.q_split.data() + t * a.q_stride();
     for (std::uint32_t b = 0; b < a.blocks; ++b) {
-      float amax = 0.0f;
-      bool finite = true;
-      for (int j = 0; j < 32; ++j) {
-        const float v = std::fabs(xt[32 * b + j]);
-        finite = finite && v <= std::numeric_limits<float>::max();  // false for NaN and inf
-        amax = v > amax ? v : amax;
-      }
-      if (!finite) {
+      const block_scale bs = quantize_block(xt + 32 * b, q + 32 * b);
+      if (!bs.finite) {
         fail("quantize_activations: token ", t, " has a non-finite value in columns ", 32 * b, "-",
              32 * b + 31);
       }
-      const float d = amax / 127.0f;
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      std::int32_t sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const auto v = static_cast<std::int8_t>(std::nearbyint(xt[32 * b + j] * inv));
-        q[32 * b + j] = v;
-        sum += v;
-      }
+      const float d = bs.d;
+      const std::int32_t sum = bs.sum;
       // Q4_1 order: per 4-block group, the blocks' first halves, then their second halves.
       const std::uint32_t g = b / 4, k = b % 4;
       std::memcpy(qsplit + 128 * g + 16 * k, q + 32 * b, 16);
