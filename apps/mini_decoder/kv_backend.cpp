@@ -1,13 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kv_backend.hpp"
 
-#include <numeric>
-
+#include "cache_bundles.hpp"
 #include "common.hpp"
-#include "oasiskv/oasiskv.hpp"
-#include "oasiskv/predictor/lookahead_predictor.hpp"
-#include "oasiskv/predictor/recency_predictor.hpp"
-#include "oasiskv/summary/minmax_summary.hpp"
 
 namespace mini_decoder {
 
@@ -39,40 +34,7 @@ attention_mode parse_mode(const std::string& s) {
 
 namespace {
 
-//! Dense attention through the sparse path: every block, always (the engine's own predictor,
-//! as any engine may write one against the importance_predictor concept).
-struct select_all_predictor {
-  using summary_type = oasiskv::no_summary;
-  static constexpr oasiskv::prediction_timing timing = oasiskv::prediction_timing::lookahead;
-  void select(const oasiskv::prediction_input<oasiskv::no_summary>& in,
-              const oasiskv::selection_params&, oasiskv::selection& out) {
-    const std::uint32_t n = in.layout.blocks_for(in.seq_len);
-    out.tables = 1;
-    out.blocks.resize(n);
-    std::iota(out.blocks.begin(), out.blocks.end(), 0u);
-    out.offsets = {0, n};
-  }
-};
-
-template <class Scheduler, class Predictor>
-struct bundle {
-  using allocator = oasiskv::free_list_allocator;
-  using fast_tier = oasiskv::host_tier;
-  using slow_tier = oasiskv::host_tier;
-  using transfer = oasiskv::cpu_copy_engine;
-  using predictor = Predictor;
-  using scheduler = Scheduler;
-  using kernel = oasiskv::cpu::sparse_decode;
-};
-
-using summary = oasiskv::minmax_summary<>;
-using dense_bundle = bundle<oasiskv::all_resident, select_all_predictor>;
-using oasis_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::lookahead_predictor<summary>>;
-using quest_bundle =
-    bundle<oasiskv::on_demand_fetcher<>, oasiskv::current_query_predictor<summary>>;
-using recency_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::recency_predictor>;
-using on_demand_bundle =
-    bundle<oasiskv::on_demand_fetcher<>, oasiskv::lookahead_predictor<summary>>;
+using namespace bundles;
 
 template <class Bundle>
 class backend final : public kv_backend {

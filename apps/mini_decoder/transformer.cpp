@@ -28,7 +28,15 @@ transformer::transformer(const model& m, float rope_scale) : m_(m) {
     // llama2.c's exact float formula, so stories260K matches its reference bit for bit.
     inv_freq_.push_back(1.0f / powf(theta, static_cast<float>(i) / static_cast<float>(c.head_dim)));
   }
-  const std::size_t t = max_step_tokens;
+  reserve_tokens(max_step_tokens);
+}
+
+void transformer::reserve_tokens(std::uint32_t n) {
+  if (n <= scratch_tokens_) {
+    return;
+  }
+  const model_config& c = m_.config;
+  const std::size_t t = n;
   x_.resize(t * c.dim);
   xb_.resize(t * std::max(c.dim, c.num_heads * c.head_dim));
   q_.resize(t * c.num_heads * c.head_dim);
@@ -37,6 +45,7 @@ transformer::transformer(const model& m, float rope_scale) : m_(m) {
   att_.resize(q_.size());
   hb_.resize(t * c.hidden_dim);
   hb2_.resize(hb_.size());
+  scratch_tokens_ = n;
 }
 
 void transformer::rmsnorm(float* out, const float* x, const float* w, std::uint32_t n) const {
@@ -57,9 +66,20 @@ void transformer::rmsnorm(float* out, const float* x, const float* w, std::uint3
 }
 
 void transformer::rope(float* x, std::uint32_t heads, std::uint32_t n, std::uint32_t pos0) const {
+  std::vector<std::uint32_t> positions(n);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    positions[t] = pos0 + t;
+  }
+  rope_at(x, heads, n, positions.data());
+}
+
+// Each token rotated by its own position: a token gets the same floats whether it came in a
+// consecutive run (prefill, step) or in a batch of sequences (step_batch).
+void transformer::rope_at(float* x, std::uint32_t heads, std::uint32_t n,
+                          const std::uint32_t* positions) const {
   const std::uint32_t hd = m_.config.head_dim;
   for (std::uint32_t t = 0; t < n; ++t) {
-    const auto pos = static_cast<float>(pos0 + t);
+    const auto pos = static_cast<float>(positions[t]);
     for (std::uint32_t i = 0; i < hd; i += 2) {
       const float val = pos * inv_freq_[i / 2];
       const float fcr = cosf(val), fci = sinf(val);
@@ -95,10 +115,28 @@ void swiglu(float* gate, const float* up, std::size_t n) {
 
 void transformer::step(const int* tokens, std::uint32_t n, std::uint32_t pos0, std::uint32_t layers,
                        const attention_fn& attend, float* logits) {
-  const model_config& c = m_.config;
-  if (n == 0 || n > max_step_tokens || layers > c.num_layers) {
+  if (n == 0 || n > max_step_tokens || layers > m_.config.num_layers) {
     fail("transformer::step: ", n, " tokens (1-16) through ", layers, " layers");
   }
+  positions_.resize(n);
+  for (std::uint32_t t = 0; t < n; ++t) {
+    positions_[t] = pos0 + t;
+  }
+  forward(tokens, positions_.data(), n, layers, attend, logits);
+}
+
+void transformer::step_batch(const int* tokens, const std::uint32_t* positions, std::uint32_t n,
+                             const batch_attention_fn& attend, float* logits) {
+  if (n == 0 || tokens == nullptr || positions == nullptr) {
+    fail("transformer::step_batch: ", n, " tokens (at least 1, with their positions)");
+  }
+  reserve_tokens(n);
+  forward(tokens, positions, n, m_.config.num_layers, attend, logits);
+}
+
+void transformer::forward(const int* tokens, const std::uint32_t* positions, std::uint32_t n,
+                          std::uint32_t layers, const attention_fn& attend, float* logits) {
+  const model_config& c = m_.config;
   const std::uint32_t d = c.dim, kvd = c.num_kv_heads * c.head_dim;
   embed(tokens, n, x_.data());
   for (std::uint32_t l = 0; l < layers; ++l) {
@@ -107,8 +145,8 @@ void transformer::step(const int* tokens, std::uint32_t n, std::uint32_t pos0, s
     matmul_quantized(w.wq, xb_.data(), n, q_.data());
     matmul_quantized(w.wk, xb_.data(), n, k_.data());
     matmul_quantized(w.wv, xb_.data(), n, v_.data());
-    rope(q_.data(), c.num_heads, n, pos0);
-    rope(k_.data(), c.num_kv_heads, n, pos0);
+    rope_at(q_.data(), c.num_heads, n, positions);
+    rope_at(k_.data(), c.num_kv_heads, n, positions);
     round_to_f16(k_.data(), std::size_t{n} * kvd);
     round_to_f16(v_.data(), std::size_t{n} * kvd);
     attend(l, n, q_.data(), k_.data(), v_.data(), att_.data());

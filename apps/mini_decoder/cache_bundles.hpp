@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file
+//! @brief The `tiered_kv_cache` policy bundles the mini-decoder builds: one per attention mode,
+//! all on host tiers with the CPU kernel. Shared by the single-sequence backend
+//! (kv_backend.cpp) and the batched engine (batch.cpp).
+#pragma once
+
+#include <numeric>
+
+#include "oasiskv/oasiskv.hpp"
+#include "oasiskv/predictor/lookahead_predictor.hpp"
+#include "oasiskv/predictor/recency_predictor.hpp"
+#include "oasiskv/summary/minmax_summary.hpp"
+
+namespace mini_decoder::bundles {
+
+//! Dense attention through the sparse path: every block, always (the engine's own predictor,
+//! as any engine may write one against the importance_predictor concept).
+struct select_all_predictor {
+  using summary_type = oasiskv::no_summary;
+  static constexpr oasiskv::prediction_timing timing = oasiskv::prediction_timing::lookahead;
+  void select(const oasiskv::prediction_input<oasiskv::no_summary>& in,
+              const oasiskv::selection_params&, oasiskv::selection& out) {
+    const std::uint32_t n = in.layout.blocks_for(in.seq_len);
+    out.tables = 1;
+    out.blocks.resize(n);
+    std::iota(out.blocks.begin(), out.blocks.end(), 0u);
+    out.offsets = {0, n};
+  }
+};
+
+//! Host fast and capacity tiers, CPU copies and the CPU sparse kernel; the mode picks the
+//! scheduler and the predictor.
+template <class Scheduler, class Predictor>
+struct bundle {
+  using allocator = oasiskv::free_list_allocator;
+  using fast_tier = oasiskv::host_tier;
+  using slow_tier = oasiskv::host_tier;
+  using transfer = oasiskv::cpu_copy_engine;
+  using predictor = Predictor;
+  using scheduler = Scheduler;
+  using kernel = oasiskv::cpu::sparse_decode;
+};
+
+using summary = oasiskv::minmax_summary<>;  //!< the block summary of the predicting modes
+//! Every block resident, every block attended.
+using dense_bundle = bundle<oasiskv::all_resident, select_all_predictor>;
+//! Lookahead prediction from the previous step's queries, prefetched ahead of attention.
+using oasis_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::lookahead_predictor<summary>>;
+//! Prediction from the current query, fetched on demand (Quest).
+using quest_bundle =
+    bundle<oasiskv::on_demand_fetcher<>, oasiskv::current_query_predictor<summary>>;
+//! The most recent blocks only.
+using recency_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::recency_predictor>;
+//! Lookahead prediction, but fetched at attention time (no overlap).
+using on_demand_bundle =
+    bundle<oasiskv::on_demand_fetcher<>, oasiskv::lookahead_predictor<summary>>;
+
+}  // namespace mini_decoder::bundles
