@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -412,6 +413,28 @@ TEST_CASE("thread_pool runs every index once, rethrows, and nests inline") {
     CHECK(inner.load() == 12);
   }
   CHECK_THROWS_AS(cpu::thread_pool(0), oasiskv::error);
+  CHECK_THROWS_AS(cpu::thread_pool(2, std::chrono::nanoseconds(-1)), oasiskv::error);
+}
+
+TEST_CASE("thread_pool: loops back to back, after idle gaps, and without spinning") {
+  // Back-to-back loops are picked up by spinning workers; a gap longer than the spin puts them
+  // to sleep, and the next loop must wake them; spin 0 sleeps at once. Every loop must run each
+  // index once and return only when all have run.
+  using namespace std::chrono_literals;
+  for (const auto spin : {std::chrono::nanoseconds(0), std::chrono::nanoseconds(20us)}) {
+    cpu::thread_pool pool(3, spin);
+    std::vector<int> counts(64, 0);
+    for (int round = 0; round < 2000; ++round) {
+      if (round % 250 == 0) {
+        std::this_thread::sleep_for(200us);  // past the spin: the workers sleep
+      }
+      pool.parallel_for(counts.size(), [&](std::size_t i) { ++counts[i]; });
+      REQUIRE(counts[round % counts.size()] == round + 1);  // all done when it returned
+    }
+    for (int c : counts) {
+      CHECK(c == 2000);
+    }
+  }
 }
 
 // The comparison every kernel check goes through must not let a broken output pass: one NaN, one
