@@ -6,13 +6,14 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <cblas.h>
-#include <omp.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common.hpp"
 #include "kquants.hpp"
+#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/isa.hpp"
 #include "quant_int8.hpp"
@@ -382,15 +383,22 @@ matmul_activations& current_activations() {
   return a;
 }
 
-// Chunks of 16 rows: enough work per task, and whole cache lines of y per thread.
+std::shared_ptr<oasiskv::cpu::thread_pool>& pool_slot() {
+  static std::shared_ptr<oasiskv::cpu::thread_pool> p =
+      std::make_shared<oasiskv::cpu::thread_pool>(1);
+  return p;
+}
+
+// Chunks of 16 rows: enough work per item, and whole cache lines of y per thread. The pool
+// hands chunks out one at a time, so a thread that falls behind (another job on its core)
+// takes fewer of them.
 template <typename F>
 void for_row_chunks(std::uint32_t rows, F&& f) {
-  const std::int64_t chunks = (rows + 15) / 16;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t ch = 0; ch < chunks; ++ch) {
+  const std::size_t chunks = (rows + 15) / 16;
+  engine_pool().parallel_for(chunks, [&](std::size_t ch) {
     const auto r0 = static_cast<std::uint32_t>(ch * 16);
     f(r0, std::min(rows, r0 + 16));
-  }
+  });
 }
 
 void matmul_k_int8(const weight_matrix& w, const float* x, std::uint32_t n, float* y, dot_isa isa) {
@@ -487,11 +495,11 @@ void dequantize_row(const weight_matrix& w, std::uint32_t r, float* out) {
 
 void dequantize(const weight_matrix& w, std::vector<float>& out) {
   out.resize(std::size_t{w.rows} * w.cols);
-  const auto rows = static_cast<std::int64_t>(w.rows);
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    dequantize_row(w, static_cast<std::uint32_t>(r), out.data() + r * w.cols);
-  }
+  for_row_chunks(w.rows, [&](std::uint32_t r0, std::uint32_t r1) {
+    for (std::uint32_t r = r0; r < r1; ++r) {
+      dequantize_row(w, r, out.data() + std::size_t{r} * w.cols);
+    }
+  });
 }
 
 void matmul_quantized(const weight_matrix& w, const float* x, std::uint32_t n, float* y) {
@@ -536,12 +544,22 @@ void set_num_threads(int n) {
   if (n < 1) {
     fail("--threads = ", n, " must be at least 1");
   }
-  omp_set_num_threads(n);
+  if (engine_pool().size() != static_cast<unsigned>(n)) {
+    pool_slot() = std::make_shared<oasiskv::cpu::thread_pool>(static_cast<unsigned>(n));
+  }
   openblas_set_num_threads(n);
 }
 
 int num_threads() {
-  return omp_get_max_threads();
+  return static_cast<int>(engine_pool().size());
+}
+
+oasiskv::cpu::thread_pool& engine_pool() {
+  return *pool_slot();
+}
+
+std::shared_ptr<oasiskv::cpu::thread_pool> shared_engine_pool() {
+  return pool_slot();
 }
 
 }  // namespace mini_decoder

@@ -6,8 +6,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+namespace oasiskv::cpu {
+class thread_pool;
+}
 
 namespace mini_decoder {
 
@@ -66,8 +71,14 @@ std::string matmul_isa();
 //! default. Unknown or unsupported names throw.
 void force_matmul_isa(const std::string& isa);
 
-void set_num_threads(int n);  // OpenMP and OpenBLAS threads
+//! Threads of the engine's pool (`engine_pool`) and of OpenBLAS (prefill's sgemm); 1 at start.
+void set_num_threads(int n);
 int num_threads();
+//! The engine's one thread pool: the products run on it, and the KV backends hand it to the
+//! attention kernel, so products and attention never have two pools contending for the cores.
+//! `set_num_threads` replaces it; holders of `shared_engine_pool` keep the one they got.
+oasiskv::cpu::thread_pool& engine_pool();
+std::shared_ptr<oasiskv::cpu::thread_pool> shared_engine_pool();
 
 float f16_to_f32(std::uint16_t h);
 
