@@ -219,6 +219,13 @@ const batch_engine::record& batch_engine::find(request_id id, const char* what) 
 bool batch_engine::done(request_id id) const {
   return find(id, "done").rep.done;
 }
+
+void batch_engine::forget(request_id id) {
+  if (!find(id, "forget").rep.done) {
+    fail("batch_engine::forget: request ", id, " is not done");
+  }
+  records_.erase(id);
+}
 const std::vector<int>& batch_engine::output(request_id id) const {
   return find(id, "output").out;
 }

@@ -110,7 +110,8 @@ class batch_engine {
   //! One engine step: admits the waiting requests that fit, in order (each prefilled densely
   //! into its new sequence, its first token sampled from the prefill), then one decode token for
   //! every active sequence in one batched forward pass, then retires the finished sequences
-  //! (their blocks return to the cache). Returns whether work remains.
+  //! (their blocks return to the cache). Returns whether work remains. An exception from a step
+  //! (a failing per-token callback, the cache out of memory) leaves the engine unusable.
   bool step();
   //! Steps until every submitted request is done.
   void run();
@@ -124,6 +125,9 @@ class batch_engine {
   sequence_need need(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const;
 
   bool done(request_id id) const;
+  //! Drops a done request's output and report (a long-running engine calls it after reading
+  //! them). Throws `decoder_error` for an unknown or unfinished request.
+  void forget(request_id id);
   //! The tokens generated so far (no end token unless `ignore_eos`).
   const std::vector<int>& output(request_id id) const;
   const request_report& report(request_id id) const;

@@ -262,6 +262,7 @@ TEST_CASE("batch: SmolLM2 equals the single-sequence decoder, dense and oasis") 
       {enc("Name three colours."), 16, true, 0},
       {enc("Write one sentence about the sea, and say why people like to visit it."), 32, true, 5},
   };
+  double dense_blocks_per_step = 0;
   for (const attention_mode mode : {attention_mode::dense, attention_mode::oasis}) {
     CAPTURE(to_string(mode));
     setup s;
@@ -273,6 +274,14 @@ TEST_CASE("batch: SmolLM2 equals the single-sequence decoder, dense and oasis") 
     const batch_run r = run_batch(e, jobs);
     check_equals_single(*m, s, jobs, r);
     CHECK(r.report.peak_active >= 2);
+    const oasiskv::cache_stats& st = r.report.cache;
+    REQUIRE(st.sequence_steps > 0);
+    const double per_step = double(st.selected_blocks) / double(st.sequence_steps);
+    if (mode == attention_mode::dense) {
+      dense_blocks_per_step = per_step;
+    } else {
+      CHECK(per_step < dense_blocks_per_step);  // oasis attended fewer blocks: sparse
+    }
   }
 }
 
@@ -370,6 +379,8 @@ TEST_CASE("batch: a request that can never fit is refused; the others complete")
   CHECK(e.output(id0) == single(m, s, jobs[0]));
   CHECK(e.output(id1) == single(m, s, jobs[1]));
   CHECK(e.output(id0).size() == 40);
+  e.forget(id0);
+  CHECK(error_of([&] { (void)e.output(id0); }).find("no request") != std::string::npos);
 }
 
 TEST_CASE("batch: bad parameters give clear errors") {
