@@ -5,6 +5,7 @@
 // scripts/test.sh runs that first); without it every case here fails, naming that command.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -91,13 +92,47 @@ struct activations_guard {
   ~activations_guard() { set_matmul_activations(before); }
 };
 
-std::vector<float> prefill_logits(const model& m, const reference& ref) {
+std::vector<float> prefill_logits(const model& m, const std::vector<int>& tokens) {
   transformer tf(m);
   std::vector<float> logits(m.config.vocab_size);
   tf.prefill(
-      ref.tokens.data(), static_cast<std::uint32_t>(ref.tokens.size()),
+      tokens.data(), static_cast<std::uint32_t>(tokens.size()),
       [](std::uint32_t, const float*, const float*, std::uint32_t) {}, logits.data());
   return logits;
+}
+
+std::vector<float> prefill_logits(const model& m, const reference& ref) {
+  return prefill_logits(m, ref.tokens);
+}
+
+// Greedy speculative decoding against plain greedy decoding. With f32 products they must agree
+// token for token. With int8 activations a verification pass (attention over the cache merged
+// with the drafts' side entries) and a plain step differ in the last bits of attention, which
+// the next product's activation rounding can turn into a different choice where two tokens
+// tie: there the runs may part, but only at a near-tie of the exact model. Checked by
+// recomputing the logits at the first differing position with a dense prefill of the common
+// prefix: the two tokens chosen must be within 1% of the logit scale of each other.
+void check_speculative_matches(const model& m, const std::vector<int>& prompt,
+                               const std::vector<int>& plain, const std::vector<int>& spec) {
+  if (get_matmul_activations() == matmul_activations::f32 || spec == plain) {
+    CHECK(spec == plain);
+    return;
+  }
+  const auto diff = std::mismatch(plain.begin(), plain.end(), spec.begin(), spec.end());
+  REQUIRE(diff.first != plain.end());
+  REQUIRE(diff.second != spec.end());  // equal lengths: one cannot be a prefix of the other
+  std::vector<int> prefix = prompt;
+  prefix.insert(prefix.end(), plain.begin(), diff.first);
+  const std::vector<float> logits = prefill_logits(m, prefix);
+  float scale = 0.0f;
+  for (float v : logits)
+    scale = std::max(scale, std::abs(v));
+  const float gap = std::abs(logits[static_cast<std::size_t>(*diff.first)] -
+                             logits[static_cast<std::size_t>(*diff.second)]);
+  MESSAGE("speculative and plain part at token "
+          << (diff.first - plain.begin()) << " (" << *diff.first << " vs " << *diff.second
+          << "), logit gap " << gap / scale << " of the scale");
+  CHECK(gap <= 0.01f * scale);
 }
 
 TEST_CASE("SmolLM2: prefill logits match the numpy reference to 1e-3 relative (f32 products)") {
@@ -172,7 +207,7 @@ TEST_CASE("SmolLM2: chat answer, and speculative == plain greedy through OasisKV
                                        "does)");
   const auto prompt = m->tok->encode(m->tok->chat_prompt("What is the capital of France?"), true);
   for (const matmul_activations a : {matmul_activations::f32, matmul_activations::int8}) {
-    CAPTURE(to_string(a));
+    CAPTURE(std::string(to_string(a)));
     const activations_guard guard(a);
     decoder_options o;
     o.max_tokens = 24;
@@ -187,18 +222,19 @@ TEST_CASE("SmolLM2: chat answer, and speculative == plain greedy through OasisKV
       CHECK(text.find("Paris") != std::string::npos);
     }
     for (const draft_kind k : {draft_kind::self, draft_kind::ngram}) {
-      CAPTURE(to_string(k));
+      CAPTURE(std::string(to_string(k)));
       decoder_options s = o;
       s.draft = k;
       decoder d(*m, s);
-      CHECK(d.generate(prompt) == tokens);
+      check_speculative_matches(*m, prompt, tokens, d.generate(prompt));
     }
     decoder_options sparse = o;
     sparse.mode = attention_mode::oasis;
     sparse.budget_tokens = 64;
     sparse.draft = draft_kind::self;
     decoder d(*m, sparse);
-    CHECK(d.generate(prompt) == tokens);  // 37 + 24 tokens fit in a 64-token budget
+    // 37 + 24 tokens fit in a 64-token budget
+    check_speculative_matches(*m, prompt, tokens, d.generate(prompt));
   }
 }
 
@@ -270,5 +306,5 @@ TEST_CASE("SmolLM2 with K-quant FFN down projections: int8 dots, exact products,
   decoder_options s = o;
   s.draft = draft_kind::ngram;
   decoder d(*m, s);
-  CHECK(d.generate(prompt) == tokens);
+  check_speculative_matches(*m, prompt, tokens, d.generate(prompt));
 }
