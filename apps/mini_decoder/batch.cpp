@@ -40,7 +40,7 @@ class shared_cache final : public batch_engine::cache {
   shared_cache(const oasiskv::kv_layout& l, std::uint32_t slow_slots, std::uint32_t fast_slots,
                oasiskv::cache_options o, unsigned threads)
       : cache_(oasiskv::host_tier(l, slow_slots), oasiskv::host_tier(l, fast_slots), o, {},
-               oasiskv::cpu::sparse_decode(threads)) {}
+               bundles::attention_kernel(threads, pool_)) {}
   oasiskv::sequence_id add() override { return cache_.add_sequence(); }
   void remove(oasiskv::sequence_id seq) override { cache_.remove(seq); }
   void append(oasiskv::sequence_id seq, std::uint32_t layer, const std::uint16_t* k,
@@ -57,6 +57,7 @@ class shared_cache final : public batch_engine::cache {
   oasiskv::cache_stats stats() const override { return cache_.stats(); }
 
  private:
+  std::shared_ptr<oasiskv::cpu::thread_pool> pool_;  // the kernel's, when shared; outlives it
   oasiskv::tiered_kv_cache<Bundle> cache_;
 };
 

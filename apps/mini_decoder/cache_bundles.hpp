@@ -5,12 +5,14 @@
 //! (kv_backend.cpp) and the batched engine (batch.cpp).
 #pragma once
 
+#include <memory>
 #include <numeric>
 
 #include "oasiskv/oasiskv.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/predictor/recency_predictor.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "quant.hpp"
 
 namespace mini_decoder::bundles {
 
@@ -55,5 +57,19 @@ using recency_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::recency_
 //! Lookahead prediction, but fetched at attention time (no overlap).
 using on_demand_bundle =
     bundle<oasiskv::on_demand_fetcher<>, oasiskv::lookahead_predictor<summary>>;
+
+//! The attention kernel of `threads` threads. With more than one it runs on the engine's pool
+//! (`shared_engine_pool`, where the products run) when that pool has as many threads, so the
+//! products and attention take turns on one pool instead of two pools contending for the cores;
+//! otherwise on a pool of its own. `keep` receives the shared pool: declare it before the cache
+//! that holds the kernel, so that the pool outlives the kernel.
+inline oasiskv::cpu::sparse_decode attention_kernel(
+    unsigned threads, std::shared_ptr<oasiskv::cpu::thread_pool>& keep) {
+  if (threads > 1 && num_threads() == static_cast<int>(threads)) {
+    keep = shared_engine_pool();
+    return oasiskv::cpu::sparse_decode(*keep);
+  }
+  return oasiskv::cpu::sparse_decode(threads);
+}
 
 }  // namespace mini_decoder::bundles

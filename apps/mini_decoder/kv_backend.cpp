@@ -42,7 +42,7 @@ class backend final : public kv_backend {
   backend(const oasiskv::kv_layout& l, std::uint32_t slow_slots, std::uint32_t fast_slots,
           oasiskv::cache_options o, unsigned threads)
       : cache_(oasiskv::host_tier(l, slow_slots), oasiskv::host_tier(l, fast_slots), o, {},
-               oasiskv::cpu::sparse_decode(threads)),
+               attention_kernel(threads, pool_)),
         seq_(cache_.add_sequence()),
         fast_slots_(fast_slots),
         slow_slots_(slow_slots) {}
@@ -71,6 +71,7 @@ class backend final : public kv_backend {
   std::uint32_t budget_tokens() const override { return cache_.options().budget_tokens; }
 
  private:
+  std::shared_ptr<oasiskv::cpu::thread_pool> pool_;  // the kernel's, when shared; outlives it
   oasiskv::tiered_kv_cache<Bundle> cache_;
   oasiskv::sequence_id seq_;
   std::uint32_t fast_slots_, slow_slots_;

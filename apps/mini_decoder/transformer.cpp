@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/summary/cpu/simd_math.hpp"
 
@@ -184,10 +185,8 @@ void transformer::attention_prefill(const float* q, const float* k, const float*
                   q + std::size_t{r0} * qd + std::size_t{h} * hd, static_cast<int>(qd),
                   k + std::size_t{g} * hd, static_cast<int>(kvd), 0.0f, scores_.data(),
                   static_cast<int>(keys));
-      const auto irows = static_cast<std::int64_t>(rows);
-#pragma omp parallel for schedule(static)
-      for (std::int64_t i = 0; i < irows; ++i) {
-        float* s = scores_.data() + static_cast<std::size_t>(i) * keys;
+      engine_pool().parallel_for(rows, [&](std::size_t i) {
+        float* s = scores_.data() + i * keys;
         const std::uint32_t last = r0 + static_cast<std::uint32_t>(i);
         // The library's vectorised softmax pieces: a scalar expf per score made the softmax,
         // not the two products, the larger part of a long prompt's prefill.
@@ -198,7 +197,7 @@ void transformer::attention_prefill(const float* q, const float* k, const float*
           s[j] *= inv;
         for (std::uint32_t j = last + 1; j < keys; ++j)
           s[j] = 0.0f;
-      }
+      });
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
                   static_cast<int>(hd), static_cast<int>(keys), 1.0f, scores_.data(),
                   static_cast<int>(keys), v + std::size_t{g} * hd, static_cast<int>(kvd), 0.0f,
