@@ -1,0 +1,94 @@
+// SPDX-License-Identifier: Apache-2.0
+// The equal-memory throughput run (apps/mini_decoder/throughput.cpp) on stories260K: the same
+// fast-tier bytes admit more OasisKV requests than dense ones, every request gets all its
+// tokens, and the report's counts add up.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "throughput.hpp"
+
+using namespace mini_decoder;
+
+namespace {
+
+const model& stories() {
+  static const std::unique_ptr<model> m =
+      load_model(std::string(MINI_DECODER_STORIES_DIR) + "/stories260K.bin");
+  return *m;
+}
+
+std::string text() {
+  std::string t;
+  for (int i = 0; i < 40; ++i) {
+    t += "Once upon a time there was a little girl named Lily. She liked to play in the park "
+         "with her dog, and one day they found a big red ball under a tree. ";
+  }
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("throughput: equal fast-tier bytes hold more OasisKV requests than dense ones") {
+  const model& m = stories();
+  const std::uint32_t requests = 6, prompt = 200, answer = 24;
+  const auto prompts = throughput_prompts(m, text(), requests, prompt);
+  REQUIRE(prompts.size() == requests);
+  for (const auto& p : prompts) {
+    CHECK(p.size() == prompt);
+  }
+  CHECK(prompts[0] != prompts[1]);  // windows of the text, not one prompt repeated
+  throughput_options o;
+  o.requests = requests;
+  o.prompt_tokens = prompt;
+  o.answer_tokens = answer;
+  o.dense_sequences = 2;
+  o.budget_tokens = 64;
+  o.mode = attention_mode::dense;
+  const throughput_result dense = run_throughput(m, prompts, o);
+  o.mode = attention_mode::oasis;
+  const throughput_result oasis = run_throughput(m, prompts, o);
+  CHECK(dense.fast_tier_bytes == oasis.fast_tier_bytes);
+  CHECK(dense.fast_tier_bytes == 2 * dense.sequence_fast_bytes);
+  CHECK(dense.peak_active == 2);
+  // 224 tokens are 14 blocks a layer dense; OasisKV stages 2 * 4 + 4 = 12 of them.
+  CHECK(oasis.sequence_fast_bytes < dense.sequence_fast_bytes);
+  CHECK(oasis.peak_active == dense.fast_tier_bytes / oasis.sequence_fast_bytes);
+  for (const throughput_result* r : {&dense, &oasis}) {
+    // The first token of each request comes from its prefill, the others from decode steps.
+    CHECK(r->decode_tokens == std::uint64_t{requests} * (answer - 1));
+    CHECK(r->decode_seconds > 0.0);
+    CHECK(r->decode_tokens_per_second > 0.0);
+    CHECK(r->first_token.p50 > 0.0);
+    CHECK(r->first_token.p50 <= r->first_token.p99);
+    CHECK(r->token.p50 <= r->token.max);
+    const std::string j = to_json(*r);
+    CHECK(j.front() == '{');
+    CHECK(j.back() == '}');
+    CHECK(j.find("\"decode_tokens_per_second\"") != std::string::npos);
+  }
+}
+
+TEST_CASE("throughput: bad options are refused with the values named") {
+  const model& m = stories();
+  auto error_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(error_of([&] { throughput_prompts(m, "a few words", 2, 500); }).find("500") !=
+        std::string::npos);
+  CHECK(error_of([&] { throughput_prompts(m, text(), 0, 50); }).find("0 requests") !=
+        std::string::npos);
+  const auto prompts = throughput_prompts(m, text(), 1, 50);
+  throughput_options o;
+  o.answer_tokens = 0;
+  CHECK(error_of([&] { run_throughput(m, prompts, o); }).find("0 answer tokens") !=
+        std::string::npos);
+  o.answer_tokens = 8;
+  o.mode = attention_mode::quest;
+  CHECK(error_of([&] { run_throughput(m, prompts, o); }).find("quest") != std::string::npos);
+}
