@@ -9,6 +9,7 @@
 
 #include "decoder.hpp"
 #include "oasiskv/core/error.hpp"
+#include "throughput.hpp"
 
 using namespace mini_decoder;
 
@@ -18,6 +19,9 @@ struct cli_options {
   std::string model, prompt, prompt_file, tokenizer, mode = "dense", draft = "none", compare;
   std::string expect_answer;  // text each answer is checked for (case-insensitive)
   std::string matmul = "int8";
+  // --throughput: the equal-memory throughput run instead of one generation.
+  std::uint32_t throughput_requests = 0, throughput_prompt_tokens = 8064, dense_sequences = 4;
+  double fast_tier_mib = 0;
   decoder_options dec;
   bool chat = false, quiet = false;
   int threads = 1;
@@ -142,6 +146,32 @@ void print_table(const cli_options& cli, const generation_report& r, const gener
   }
 }
 
+// The equal-memory throughput run: `--throughput N` requests of `--throughput-prompt-tokens`
+// tokens cut from the prompt text, `--max-tokens` answer tokens each, one fast-tier budget
+// (`--fast-tier-mib`, or room for `--dense-sequences` dense sequences); the JSON on stdout.
+int run_throughput_mode(const cli_options& cli, const model& m, const std::string& text) {
+  throughput_options o;
+  o.mode = cli.dec.mode;
+  o.requests = cli.throughput_requests;
+  o.prompt_tokens = cli.throughput_prompt_tokens;
+  o.answer_tokens = cli.dec.max_tokens;
+  o.fast_tier_bytes = static_cast<std::uint64_t>(cli.fast_tier_mib * 1048576.0);
+  o.dense_sequences = cli.dense_sequences;
+  o.budget_tokens = cli.dec.budget_tokens;
+  o.attention_threads = cli.dec.attention_threads;
+  const auto prompts = throughput_prompts(m, text, o.requests, o.prompt_tokens);
+  fmt::print(stderr, "throughput: {} requests of {} + {} tokens, {} mode, matmul path {}\n",
+             o.requests, o.prompt_tokens, o.answer_tokens, to_string(o.mode), matmul_isa());
+  const throughput_result r = run_throughput(m, prompts, o);
+  fmt::print(stderr,
+             "throughput: {:.2f} decode tokens/s, {} requests held at most, fast tier {:.1f} MiB "
+             "({:.1f} MiB a request)\n",
+             r.decode_tokens_per_second, r.peak_active, r.fast_tier_bytes / 1048576.0,
+             r.sequence_fast_bytes / 1048576.0);
+  fmt::print("{}\n", to_json(r));
+  return 0;
+}
+
 int run(cli_options& cli) {
   set_num_threads(cli.threads);
   set_matmul_activations(matmul_activations_from_string(cli.matmul));
@@ -155,6 +185,9 @@ int run(cli_options& cli) {
   }
   const std::string text = cli.prompt_file.empty() ? cli.prompt : read_file(cli.prompt_file);
   const auto m = load_model(cli.model, cli.tokenizer);
+  if (cli.throughput_requests > 0) {
+    return run_throughput_mode(cli, *m, text);
+  }
   const model_config& c = m->config;
   fmt::print(stderr,
              "model: {} ({} layers, {} q / {} kv heads, head_dim {}, vocab {}, context {}, "
@@ -313,6 +346,22 @@ int main(int argc, char** argv) {
   app.add_option("--expect-answer", cli.expect_answer,
                  "text an answer should contain: say under each answer whether it does");
   app.add_flag("--quiet", cli.quiet, "print only the table");
+  app.add_option("--throughput", cli.throughput_requests,
+                 "equal-memory throughput run: N requests cut from the prompt text, all "
+                 "submitted at once to the batched engine (--mode dense|oasis); prints JSON")
+      ->check(CLI::Range(1u, 100000u));
+  app.add_option("--throughput-prompt-tokens", cli.throughput_prompt_tokens,
+                 "tokens of each throughput request's prompt")
+      ->capture_default_str()
+      ->check(CLI::Range(2u, 1u << 24));
+  app.add_option("--fast-tier-mib", cli.fast_tier_mib,
+                 "throughput: the fast tier's budget (0: room for --dense-sequences dense ones)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--dense-sequences", cli.dense_sequences,
+                 "throughput: dense sequences the default fast tier holds")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 100000u));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
