@@ -25,6 +25,8 @@ class batch_engine::cache {
   virtual void attend(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
                       const float* q, float* out, float* lse) = 0;
   virtual oasiskv::cache_stats stats() const = 0;
+  virtual std::size_t audit() = 0;
+  virtual std::size_t sequences() const = 0;
 };
 
 namespace {
@@ -55,6 +57,8 @@ class shared_cache final : public batch_engine::cache {
     cache_.attend(seqs, layer, q, 1, out, lse);
   }
   oasiskv::cache_stats stats() const override { return cache_.stats(); }
+  std::size_t audit() override { return cache_.audit(); }
+  std::size_t sequences() const override { return cache_.num_sequences(); }
 
  private:
   std::shared_ptr<oasiskv::cpu::thread_pool> pool_;  // the kernel's, when shared; outlives it
@@ -388,6 +392,18 @@ bool batch_engine::step() {
   }
   report_.cache = cache_->stats();
   return !active_.empty() || !queue_.empty();
+}
+
+std::size_t batch_engine::audit() {
+  if (cache_->sequences() != active_.size()) {
+    fail("batch_engine::audit: the cache holds ", cache_->sequences(), " sequences, the engine ",
+         active_.size(), " active");
+  }
+  try {
+    return cache_->audit();
+  } catch (const oasiskv::error& e) {
+    fail("batch_engine::audit: ", e.what());
+  }
 }
 
 void batch_engine::run() {

@@ -138,6 +138,9 @@ class batch_engine {
   std::uint64_t fast_slots_reserved() const { return fast_used_; }
   std::uint64_t fast_slots() const { return fast_slots_; }
   std::uint32_t context() const { return ctx_; }
+  //! Checks the shared cache's invariants (`tiered_kv_cache::audit`) and that it holds exactly
+  //! the active sequences; returns the blocks compared. O(everything): for tests.
+  std::size_t audit();
 
   class cache;  //!< the shared cache behind a small virtual interface (one per mode)
 

@@ -121,6 +121,9 @@ batch_run run_batch(batch_engine& e, const std::vector<job>& jobs) {
     r.most_active = std::max(r.most_active, e.active());
     r.most_waiting = std::max(r.most_waiting, e.waiting());
     REQUIRE(e.fast_slots_reserved() <= e.fast_slots());
+    if (step % 8 == 0) {
+      e.audit();  // throws if the cache's bookkeeping is off
+    }
     ++r.steps;
     if (!more && submitted == jobs.size()) {
       break;
@@ -132,6 +135,8 @@ batch_run run_batch(batch_engine& e, const std::vector<job>& jobs) {
     r.outputs.push_back(e.output(ids[i]));
     r.requests.push_back(e.report(ids[i]));
   }
+  CHECK(e.fast_slots_reserved() == 0);
+  CHECK(e.audit() == 0);  // every sequence removed: no block left staged
   r.report = e.report();
   return r;
 }
