@@ -38,4 +38,5 @@ oasiskv_find_cuda() {
 
 OASISKV_BASE_PACKAGES=(cmake ninja-build g++ git ca-certificates doctest-dev libfmt-dev
   libbenchmark-dev libopenblas-dev clang-format-14 liburing-dev pkg-config
-  libcli11-dev unzip libucx-dev ucx-utils)
+  libcli11-dev unzip libucx-dev ucx-utils
+  libcpp-httplib-dev nlohmann-json3-dev curl)

@@ -87,7 +87,7 @@ attention_threads=${attention_threads:-$threads}
 
 source scripts/common.sh
 oasiskv_install_packages cmake ninja-build g++ libopenblas-dev libcli11-dev libfmt-dev unzip \
-  ca-certificates python3
+  ca-certificates python3 pkg-config libcpp-httplib-dev nlohmann-json3-dev
 if ! python3 -m pip --version >/dev/null 2>&1; then
   oasiskv_install_packages python3-pip
 fi

@@ -293,8 +293,16 @@ int run(cli_options& cli) {
 
 }  // namespace
 
+namespace mini_decoder {
+int serve_main(int argc, char** argv);  // serve_main.cpp: `mini_decoder serve ...`
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "serve") {
+    return serve_main(argc - 1, argv + 1);
+  }
   CLI::App app{"mini_decoder: a Llama-family decoder whose attention runs through OasisKV"};
+  app.footer("mini_decoder serve --help: the OpenAI-compatible HTTP server");
   cli_options cli;
   decoder_options& d = cli.dec;
   app.add_option("--model", cli.model, "GGUF or llama2.c model file")
