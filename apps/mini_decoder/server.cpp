@@ -124,6 +124,7 @@ struct generation {
   bool chat = false;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  bool ignore_eos = false;     // an extension (as vLLM's): generate past the end token
   std::vector<int> prompt;
   std::optional<std::uint32_t> max_tokens;
   float temperature = 1.0f, top_p = 1.0f;
@@ -284,6 +285,7 @@ generation parse_generation(const json& j, bool chat, std::string& prompt_text,
                                      : static_cast<std::uint64_t>(s->get<std::int64_t>());
   }
   g.stream = bool_field(j, "stream");
+  g.ignore_eos = bool_field(j, "ignore_eos");
   if (const json* so = field(j, "stream_options"); so != nullptr) {
     if (!so->is_object()) {
       refuse("'stream_options' must be an object", "stream_options");
@@ -556,6 +558,7 @@ struct server::impl {
     j->req.prompt = g.prompt;
     j->req.max_tokens = *g.max_tokens;
     j->req.temperature = g.temperature;
+    j->req.ignore_eos = g.ignore_eos;
     j->req.top_p = g.top_p;
     j->req.seed = g.seed ? *g.seed : std::random_device{}();
     j->stop = g.stop;
