@@ -32,6 +32,17 @@ for attempt in 1 2 3; do
   sleep 10
 done
 
+# The server test through real clients (tests/mini_decoder/server_clients.sh) needs the openai
+# Python package: installed into a virtual environment under build/ (Debian's Python refuses
+# system-wide pip installs), where the test looks for it. A few tries, as for the model.
+oasiskv_install_packages python3-venv
+for attempt in 1 2 3; do
+  { [ -x build/venv/bin/python3 ] || python3 -m venv build/venv; } &&
+    build/venv/bin/python3 -m pip install --quiet openai && break
+  [ "$attempt" -eq 3 ] && { echo "error: could not install openai into build/venv" >&2; exit 1; }
+  sleep 10
+done
+
 passed=0
 failed=0
 skipped=0
