@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -462,4 +463,53 @@ TEST_CASE("server: chat prompts in the model's ChatML template, or the contents 
   // llama2.c: no template.
   CHECK(chat_text(*stories().tok, {{"user", "Once upon"}, {"user", "a time"}}) ==
         "Once upon\na time");
+}
+
+TEST_CASE("server: SmolLM2 chat completions in its ChatML template equal the decoder's answer") {
+  const std::string path = std::string(MINI_DECODER_MODELS) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  REQUIRE_MESSAGE(std::filesystem::exists(path), "SmolLM2 model not found at "
+                                                     << path
+                                                     << "; fetch it with scripts/fetch-models.sh");
+  static const auto m = load_model(path);
+  const std::string question = "What is the capital of France?";
+  const std::vector<chat_message> messages = {{"system", "You answer in one word."},
+                                              {"user", question}};
+  // References first (no server running): one user message, and a chat with a system message.
+  auto greedy = [&](const std::string& text, std::uint32_t n) {
+    decoder_options o;
+    o.max_tokens = n;
+    decoder d(*m, o);
+    const std::vector<int> p = m->tok->encode(text, true);
+    int prev = p.back();
+    std::string s;
+    for (int t : d.generate(p)) {
+      s += m->tok->decode(prev, t);
+      prev = t;
+    }
+    return std::make_pair(s, p.size());
+  };
+  const auto [want_one, p_one] = greedy(m->tok->chat_prompt(question), 12);
+  const auto [want_sys, p_sys] = greedy(chat_text(*m->tok, messages), 12);
+  server_options o = options();
+  server s(*m, o);
+  client c(s.start());
+  CHECK(s.model_id() == "SmolLM2-135M-Instruct.Q4_1");
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", question}}})},
+               {"max_tokens", 12},
+               {"temperature", 0}};
+  auto r = c.post("/v1/chat/completions", body);
+  REQUIRE(r);
+  REQUIRE(r->status == 200);
+  json j = json::parse(r->body);
+  CHECK(text_of(j, true) == want_one);
+  CHECK(j["usage"]["prompt_tokens"] == p_one);
+  body["messages"] = json::array({{{"role", "system"}, {"content", messages[0].content}},
+                                  {{"role", "user"}, {"content", question}}});
+  r = c.post("/v1/chat/completions", body);
+  REQUIRE(r);
+  REQUIRE(r->status == 200);
+  j = json::parse(r->body);
+  CHECK(text_of(j, true) == want_sys);
+  CHECK(j["usage"]["prompt_tokens"] == p_sys);
+  s.stop();
 }
