@@ -383,6 +383,7 @@ struct server::impl {
   bool stopping = false;
   std::atomic<std::uint64_t> next_id{1};
   std::atomic<std::size_t> active_count{0}, waiting_count{0};
+  std::atomic<std::uint64_t> cancelled_count{0};  // requests ended by their client leaving
 
   std::string next_name(const char* prefix) {
     return std::string(prefix) + std::to_string(created) + "-" + std::to_string(next_id++);
@@ -470,6 +471,7 @@ struct server::impl {
   // The per-token callback (engine thread): detokenize, cut at a stop string, wake the handler.
   bool on_token(job& j, int tok) {
     if (j.cancelled) {
+      ++cancelled_count;  // the engine calls no more for this request
       return false;
     }
     std::string piece;
@@ -724,7 +726,8 @@ struct server::impl {
       const json body = {{"status", "ok"},
                          {"model", id},
                          {"active", active_count.load()},
-                         {"waiting", waiting_count.load()}};
+                         {"waiting", waiting_count.load()},
+                         {"cancelled", cancelled_count.load()}};
       res.set_content(dump(body), "application/json");
     });
     // Anything else (unknown path or method, a failure with no body): an OpenAI-style error.

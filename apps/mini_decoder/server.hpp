@@ -30,8 +30,8 @@ struct server_options {
   //! `max_tokens` of a chat completion that gives none: this, capped by what the context leaves.
   //! (A completion without `max_tokens` gets 16, as OpenAI's API.)
   std::uint32_t default_max_tokens = 256;
-  unsigned http_threads = 8;  //!< threads that run the HTTP handlers (each open stream holds one)
-  bool log_requests = false;  //!< one line per request on stderr
+  unsigned http_threads = 32;  //!< threads that run the HTTP handlers (each open stream holds one)
+  bool log_requests = false;   //!< one line per request on stderr
 };
 
 //! One chat message.
