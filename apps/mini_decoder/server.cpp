@@ -714,13 +714,21 @@ struct server::impl {
     http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
       guarded(res, [&] { handle_generation(req, res, true); });
     });
-    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-      const json body = {{"object", "list"},
-                         {"data", json::array({{{"id", id},
-                                                {"object", "model"},
-                                                {"created", created},
-                                                {"owned_by", "oasiskv"}}})}};
+    const json model_object = {
+        {"id", id}, {"object", "model"}, {"created", created}, {"owned_by", "oasiskv"}};
+    http.Get("/v1/models", [model_object](const httplib::Request&, httplib::Response& res) {
+      const json body = {{"object", "list"}, {"data", json::array({model_object})}};
       res.set_content(dump(body), "application/json");
+    });
+    http.Get(R"(/v1/models/(.+))", [this, model_object](const httplib::Request& req,
+                                                        httplib::Response& res) {
+      if (req.matches[1] != id) {
+        send_error(res,
+                   {404, "no model '" + req.matches[1].str() + "'; this server has '" + id + "'",
+                    "model", "invalid_request_error"});
+        return;
+      }
+      res.set_content(dump(model_object), "application/json");
     });
     http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
       const json body = {{"status", "ok"},

@@ -202,6 +202,11 @@ TEST_CASE("server: a greedy completion equals the single-sequence decoder's answ
   const json jm = json::parse(m->body);
   CHECK(jm["object"] == "list");
   CHECK(jm["data"][0]["id"] == "stories260K");
+  const auto one = c.c.Get("/v1/models/stories260K");
+  REQUIRE(one);
+  CHECK(one->status == 200);
+  CHECK(json::parse(one->body)["id"] == "stories260K");
+  check_error(c.c.Get("/v1/models/gpt-5"), 404, "model");
   const auto h = c.c.Get("/health");
   REQUIRE(h);
   CHECK(h->status == 200);

@@ -133,6 +133,7 @@ check("curl 400: error.param", bad["error"]["param"], "max_tokens")
 
 client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
 check("openai: models", [m.id for m in client.models.list().data], ["stories260K"])
+check("openai: models.retrieve", client.models.retrieve("stories260K").id, "stories260K")
 c = client.completions.create(model="stories260K", prompt=prompt, max_tokens=max_tokens,
                               temperature=0)
 check("openai completions: text", c.choices[0].text, want)
