@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The mini-decoder side by side with llama.cpp on this machine, in one run: SmolLM2-135M Q4_1,
-# decode tokens/s at ~1k, ~4k and ~8k tokens of context (llama-bench: 64 tokens generated after
-# a depth of 1024 / 4096 / 8000; the mini-decoder: 64 tokens after a prompt of about as many
-# tokens, dense and OasisKV with a 1,024-token budget, --ignore-eos) and prefill tokens/s of
-# the same prompts (llama-bench: pp of the prompt's length), at each thread count. Writes a JSON
+# decode tokens/s at ~1k, ~4k and ~8k tokens of context (the mini-decoder: 64 tokens after a
+# prompt of that many tokens, dense and OasisKV with a 1,024-token budget, --ignore-eos;
+# llama-bench: 64 tokens generated after a depth of the same number of tokens) and prefill
+# tokens/s of the same prompts (llama-bench: pp of the prompt's length), at each thread count. Writes a JSON
 # with every figure, the ratios and llama.cpp's version, and prints a table.
 #
 #   scripts/llama-compare.sh [--threads "1 2"] [--contexts "1k 4k 8k"] [--out FILE]
@@ -69,7 +69,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cat README.md docs/architecture.md docs/performance.md docs/predictors.md docs/file_tier.md \
   include/oasiskv/kv_cache.hpp include/oasiskv/scheduler/staging_scheduler.hpp >"$work/all"
-declare -A bytes=([1k]=3300 [4k]=13000 [8k]=21800) depth=([1k]=1024 [4k]=4096 [8k]=8000)
+declare -A bytes=([1k]=3300 [4k]=13000 [8k]=26000)
 
 for t in $threads; do
   for c in $contexts; do
@@ -82,7 +82,8 @@ for t in $threads; do
     grep -E "prompt tokens|prefill tokens/s|decode tokens/s" "$work/md-$c-$t.txt"
     prompt=$(awk '/prompt tokens/ {print $3}' "$work/md-$c-$t.txt")
     echo "== llama.cpp $version, $c context, $t thread(s)"
-    "$bench" -m "$model" -p 0 -n 64 -d "${depth[$c]}" -t "$t" -fa 0 -r 2 -o json \
+    # The same context for both: llama.cpp generates after a depth of the prompt's length.
+    "$bench" -m "$model" -p 0 -n 64 -d "$prompt" -t "$t" -fa 0 -r 2 -o json \
       >"$work/tg-$c-$t.json"
     "$bench" -m "$model" -p "$prompt" -n 0 -t "$t" -fa 0 -r 1 -o json >"$work/pp-$c-$t.json"
   done

@@ -63,7 +63,13 @@ for mode in dense oasis; do
 done
 
 mkdir -p "$(dirname "$out")"
-python3 - "$work" "$out" "$threads" <<'EOF'
+# The plot wants matplotlib: Debian's python3-matplotlib is in /usr/bin/python3, which need not
+# be the python3 first on PATH.
+py=python3
+if ! python3 -c 'import matplotlib' 2>/dev/null && /usr/bin/python3 -c 'import matplotlib' 2>/dev/null; then
+  py=/usr/bin/python3
+fi
+"$py" - "$work" "$out" "$threads" <<'EOF'
 import json, sys
 work, out, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dense = json.load(open(f"{work}/dense.json"))
