@@ -222,11 +222,17 @@ TEST_CASE("SmolLM2: chat answer, and speculative == plain greedy through OasisKV
       CHECK(text.find("Paris") != std::string::npos);
     }
     for (const draft_kind k : {draft_kind::self, draft_kind::ngram}) {
+      if (a == matmul_activations::f32 && k == draft_kind::self) {
+        continue;  // the f32 products are slow (the sanitizer build): one draft kind there
+      }
       CAPTURE(std::string(to_string(k)));
       decoder_options s = o;
       s.draft = k;
       decoder d(*m, s);
       check_speculative_matches(*m, prompt, tokens, d.generate(prompt));
+    }
+    if (a == matmul_activations::f32) {
+      continue;
     }
     decoder_options sparse = o;
     sparse.mode = attention_mode::oasis;
