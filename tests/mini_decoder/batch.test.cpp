@@ -11,37 +11,16 @@
 
 #include "batch.hpp"
 #include "decoder.hpp"
+#include "support.hpp"
 
 using namespace mini_decoder;
+using mini_decoder::test::error_of;
 
 namespace {
 
 const model& stories_model() {
   static const auto m = load_model(std::string(MINI_DECODER_STORIES_DIR) + "/stories260K.bin");
   return *m;
-}
-
-const std::string smollm2_file =
-    std::string(MINI_DECODER_MODELS) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-const model* smollm2_model() {
-  static const std::unique_ptr<model> m = [] {
-    if (!std::filesystem::exists(smollm2_file)) {
-      return std::unique_ptr<model>();
-    }
-    return load_model(smollm2_file);
-  }();
-  return m.get();
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const decoder_error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 struct job {
@@ -254,11 +233,7 @@ TEST_CASE("batch: stories260K equals the single-sequence decoder, dense and oasi
 }
 
 TEST_CASE("batch: SmolLM2 equals the single-sequence decoder, dense and oasis") {
-  const model* m = smollm2_model();
-  REQUIRE_MESSAGE(m != nullptr, "SmolLM2 model not found at "
-                                    << smollm2_file
-                                    << ": fetch it with scripts/fetch-models.sh (scripts/test.sh "
-                                       "does)");
+  const model* m = &test::smollm2();
   const auto enc = [&](const char* text) {
     return m->tok->encode(m->tok->chat_prompt(text), true);
   };

@@ -14,8 +14,10 @@
 
 #include "decoder.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "support.hpp"
 
 using namespace mini_decoder;
+using mini_decoder::test::error_of;
 
 namespace {
 
@@ -53,16 +55,6 @@ std::string render(const model& m, const std::vector<int>& prompt, const std::ve
 std::vector<int> run(const model& m, const std::vector<int>& prompt, decoder_options o) {
   decoder d(m, o);
   return d.generate(prompt);
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const decoder_error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 std::string temp_file(const std::string& name, const std::string& bytes) {

@@ -15,8 +15,10 @@
 #include "oasiskv/core/dtype.hpp"
 #include "quant.hpp"
 #include "quant_int8.hpp"
+#include "support.hpp"
 
 using namespace mini_decoder;
+using mini_decoder::test::error_of;
 
 namespace {
 
@@ -243,14 +245,6 @@ TEST_CASE("quant int8: settings and bad input") {
   matmul_settings_guard guard;
   CHECK(matmul_activations_from_string("f32") == matmul_activations::f32);
   CHECK(matmul_activations_from_string("int8") == matmul_activations::int8);
-  auto error_of = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      return e.what();
-    }
-    return "";
-  };
   CHECK(error_of([] { matmul_activations_from_string("int4"); }).find("'int4'") !=
         std::string::npos);
   CHECK(error_of([] { force_matmul_isa("neon"); }).find("'neon'") != std::string::npos);

@@ -19,6 +19,7 @@
 #include "batch.hpp"
 #include "decoder.hpp"
 #include "server.hpp"
+#include "support.hpp"
 
 using namespace mini_decoder;
 using json = nlohmann::json;
@@ -396,13 +397,7 @@ TEST_CASE("server: bad requests get 400 or 404 with an OpenAI error body, others
 namespace {
 
 const model& smollm2() {
-  static const std::string path =
-      std::string(MINI_DECODER_MODELS) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-  static const std::unique_ptr<model> m =
-      std::filesystem::exists(path) ? load_model(path) : std::unique_ptr<model>();
-  REQUIRE_MESSAGE(m != nullptr, "SmolLM2 model not found at "
-                                    << path << "; fetch it with scripts/fetch-models.sh");
-  return *m;
+  return test::smollm2();
 }
 
 // The decoder's greedy answer to `text` on `m`, and the prompt's length in tokens.

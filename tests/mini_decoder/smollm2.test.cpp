@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -16,23 +15,11 @@
 #include "decoder.hpp"
 #include "kquants.hpp"
 #include "quant.hpp"
+#include "support.hpp"
 
 using namespace mini_decoder;
 
 namespace {
-
-const std::string smollm2_path =
-    std::string(MINI_DECODER_MODELS) + "/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-const model* smollm2() {
-  static const std::unique_ptr<model> m = [] {
-    if (!std::filesystem::exists(smollm2_path)) {
-      return std::unique_ptr<model>();
-    }
-    return load_model(smollm2_path);
-  }();
-  return m.get();
-}
 
 struct reference {
   std::string prompt;
@@ -67,11 +54,7 @@ reference read_reference() {
 }  // namespace
 
 TEST_CASE("SmolLM2: metadata as documented") {
-  const model* m = smollm2();
-  REQUIRE_MESSAGE(m != nullptr, "SmolLM2 model not found at "
-                                    << smollm2_path
-                                    << ": fetch it with scripts/fetch-models.sh (scripts/test.sh "
-                                       "does)");
+  const model* m = &test::smollm2();
   const model_config& c = m->config;
   CHECK(c.num_layers == 30);
   CHECK(c.num_heads == 9);
@@ -136,11 +119,7 @@ void check_speculative_matches(const model& m, const std::vector<int>& prompt,
 }
 
 TEST_CASE("SmolLM2: prefill logits match the numpy reference to 1e-3 relative (f32 products)") {
-  const model* m = smollm2();
-  REQUIRE_MESSAGE(m != nullptr, "SmolLM2 model not found at "
-                                    << smollm2_path
-                                    << ": fetch it with scripts/fetch-models.sh (scripts/test.sh "
-                                       "does)");
+  const model* m = &test::smollm2();
   const reference ref = read_reference();
   REQUIRE(ref.logits.size() >= 32);
   CHECK(m->tok->encode(m->tok->chat_prompt(ref.prompt), true) == ref.tokens);
@@ -166,11 +145,7 @@ TEST_CASE("SmolLM2: prefill logits match the numpy reference to 1e-3 relative (f
 }
 
 TEST_CASE("SmolLM2: with int8 activations the prefill logits stay within 2% of the reference") {
-  const model* m = smollm2();
-  REQUIRE_MESSAGE(m != nullptr, "SmolLM2 model not found at "
-                                    << smollm2_path
-                                    << ": fetch it with scripts/fetch-models.sh (scripts/test.sh "
-                                       "does)");
+  const model* m = &test::smollm2();
   const reference ref = read_reference();
   REQUIRE(ref.logits.size() >= 32);
   const activations_guard guard(matmul_activations::int8);
@@ -200,11 +175,7 @@ TEST_CASE("SmolLM2: with int8 activations the prefill logits stay within 2% of t
 }
 
 TEST_CASE("SmolLM2: chat answer, and speculative == plain greedy through OasisKV") {
-  const model* m = smollm2();
-  REQUIRE_MESSAGE(m != nullptr, "SmolLM2 model not found at "
-                                    << smollm2_path
-                                    << ": fetch it with scripts/fetch-models.sh (scripts/test.sh "
-                                       "does)");
+  const model* m = &test::smollm2();
   const auto prompt = m->tok->encode(m->tok->chat_prompt("What is the capital of France?"), true);
   for (const matmul_activations a : {matmul_activations::f32, matmul_activations::int8}) {
     CAPTURE(std::string(to_string(a)));
@@ -248,13 +219,8 @@ TEST_CASE("SmolLM2 with K-quant FFN down projections: int8 dots, exact products,
   // No Q4_K_M file of SmolLM2 ships anywhere this suite can reach, so the model's own weights
   // are re-quantized: every layer's down projection (1536 columns: 6 super-blocks a row) to
   // Q4_K in even layers and Q6_K in odd ones, the mix a Q4_K_M file has.
-  const model* base = smollm2();
-  REQUIRE_MESSAGE(base != nullptr,
-                  "SmolLM2 model not found at "
-                      << smollm2_path
-                      << ": fetch it with scripts/fetch-models.sh (scripts/test.sh "
-                         "does)");
-  const std::unique_ptr<model> m = load_model(smollm2_path);
+  (void)test::smollm2();  // fails the case, naming how to fetch it, when the file is missing
+  const std::unique_ptr<model> m = load_model(test::smollm2_path);
   std::vector<std::vector<std::byte>> storage;
   std::vector<float> row;
   for (std::uint32_t l = 0; l < m->config.num_layers; ++l) {

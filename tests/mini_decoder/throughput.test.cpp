@@ -6,9 +6,11 @@
 
 #include <string>
 
+#include "support.hpp"
 #include "throughput.hpp"
 
 using namespace mini_decoder;
+using mini_decoder::test::error_of;
 
 namespace {
 
@@ -71,14 +73,6 @@ TEST_CASE("throughput: equal fast-tier bytes hold more OasisKV requests than den
 
 TEST_CASE("throughput: bad options are refused with the values named") {
   const model& m = stories();
-  auto error_of = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      return e.what();
-    }
-    return "";
-  };
   CHECK(error_of([&] { throughput_prompts(m, "a few words", 2, 500); }).find("500") !=
         std::string::npos);
   CHECK(error_of([&] { throughput_prompts(m, text(), 0, 50); }).find("0 requests") !=
