@@ -38,6 +38,7 @@
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/isa.hpp"
 #include "quant.hpp"
+#include "read_probe.hpp"
 
 namespace {
 
@@ -85,40 +86,9 @@ fixture& get_fixture(const shape& s, quant_type t) {
   return *f;
 }
 
-// ---- read-bandwidth probe: the sum of every byte (vpsadbw), split over the OpenMP threads ---
+// ---- the read-bandwidth probe (read_probe.hpp), split over the OpenMP threads ---------------
 
-#if OASISKV_X86_KERNELS
-OASISKV_TARGET_AVX512 std::uint64_t byte_sum_avx512(const std::byte* p, std::size_t n) {
-  const __m512i zero = _mm512_setzero_si512();
-  __m512i a0 = zero, a1 = zero, a2 = zero, a3 = zero;
-  std::size_t i = 0;
-  for (; i + 256 <= n; i += 256) {
-    a0 = _mm512_add_epi64(a0, _mm512_sad_epu8(_mm512_loadu_si512(p + i), zero));
-    a1 = _mm512_add_epi64(a1, _mm512_sad_epu8(_mm512_loadu_si512(p + i + 64), zero));
-    a2 = _mm512_add_epi64(a2, _mm512_sad_epu8(_mm512_loadu_si512(p + i + 128), zero));
-    a3 = _mm512_add_epi64(a3, _mm512_sad_epu8(_mm512_loadu_si512(p + i + 192), zero));
-  }
-  std::uint64_t s = static_cast<std::uint64_t>(_mm512_reduce_add_epi64(
-      _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
-  for (; i < n; ++i) {
-    s += static_cast<std::uint8_t>(p[i]);
-  }
-  return s;
-}
-#endif
-
-std::uint64_t byte_sum(const std::byte* p, std::size_t n) {
-#if OASISKV_X86_KERNELS
-  if (oasiskv::isa_supported(oasiskv::cpu_isa::avx512)) {
-    return byte_sum_avx512(p, n);
-  }
-#endif
-  std::uint64_t s = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    s += static_cast<std::uint8_t>(p[i]);
-  }
-  return s;
-}
+using oasiskv::bench::byte_sum;
 
 std::uint64_t probe_run(const std::vector<std::byte>& mem) {
   std::uint64_t total = 0;
