@@ -279,13 +279,7 @@ void batch_engine::admit(request_id id) {
     tf_.prefill(
         r.req.prompt.data(), P,
         [&](std::uint32_t l, const float* k, const float* v, std::uint32_t n) {
-          const std::size_t count = std::size_t{n} * kv_dim_;
-          k16_.resize(count);
-          v16_.resize(count);
-          for (std::size_t i = 0; i < count; ++i) {  // exact: already f16-rounded
-            k16_[i] = oasiskv::f16::from_float(k[i]).bits;
-            v16_[i] = oasiskv::f16::from_float(v[i]).bits;
-          }
+          to_f16_bits(k, v, std::size_t{n} * kv_dim_, k16_, v16_);
           cache_->append(seq, l, k16_.data(), v16_.data(), n);
         },
         logits_.data());
@@ -322,13 +316,7 @@ void batch_engine::retire_finished() {
 // every active sequence (one query each), then each query predicts its sequence's next step.
 void batch_engine::attend_layer(std::uint32_t l, std::uint32_t n, const float* q, const float* k,
                                 const float* v, float* out) {
-  const std::size_t count = std::size_t{n} * kv_dim_;
-  k16_.resize(count);
-  v16_.resize(count);
-  for (std::size_t i = 0; i < count; ++i) {  // exact: already f16-rounded
-    k16_[i] = oasiskv::f16::from_float(k[i]).bits;
-    v16_[i] = oasiskv::f16::from_float(v[i]).bits;
-  }
+  to_f16_bits(k, v, std::size_t{n} * kv_dim_, k16_, v16_);
   for (std::uint32_t i = 0; i < n; ++i) {
     cache_->append(seq_ids_[i], l, k16_.data() + std::size_t{i} * kv_dim_,
                    v16_.data() + std::size_t{i} * kv_dim_, 1);

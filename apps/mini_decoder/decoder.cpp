@@ -36,13 +36,7 @@ decoder::decoder(const model& m, decoder_options o)
 
 void decoder::append_f16(kv_backend& c, std::uint32_t l, const float* k, const float* v,
                          std::uint32_t n) {
-  const std::size_t count = std::size_t{n} * kv_dim_;
-  k16_.resize(count);
-  v16_.resize(count);
-  for (std::size_t i = 0; i < count; ++i) {  // exact: the values are already f16-rounded
-    k16_[i] = oasiskv::f16::from_float(k[i]).bits;
-    v16_[i] = oasiskv::f16::from_float(v[i]).bits;
-  }
+  to_f16_bits(k, v, std::size_t{n} * kv_dim_, k16_, v16_);
   c.append(l, k16_.data(), v16_.data(), n);
 }
 

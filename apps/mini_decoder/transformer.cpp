@@ -19,6 +19,16 @@ void round_to_f16(float* x, std::size_t n) {
   }
 }
 
+void to_f16_bits(const float* k, const float* v, std::size_t n, std::vector<std::uint16_t>& k16,
+                 std::vector<std::uint16_t>& v16) {
+  k16.resize(n);
+  v16.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    k16[i] = oasiskv::f16::from_float(k[i]).bits;
+    v16[i] = oasiskv::f16::from_float(v[i]).bits;
+  }
+}
+
 transformer::transformer(const model& m, float rope_scale) : m_(m) {
   const model_config& c = m.config;
   if (!(rope_scale > 0.0f)) {

@@ -74,5 +74,9 @@ class transformer {
 
 //! Rounds to f16 and back: what the cache will store.
 void round_to_f16(float* x, std::size_t n);
+//! The f16 bit patterns of `n` values already rounded to f16 (exact), into `k16` and `v16` for
+//! the K and V rows a cache appends; the vectors are resized to `n`.
+void to_f16_bits(const float* k, const float* v, std::size_t n, std::vector<std::uint16_t>& k16,
+                 std::vector<std::uint16_t>& v16);
 
 }  // namespace mini_decoder
