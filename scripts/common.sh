@@ -40,3 +40,20 @@ OASISKV_BASE_PACKAGES=(cmake ninja-build g++ git ca-certificates doctest-dev lib
   libbenchmark-dev libopenblas-dev clang-format-14 liburing-dev pkg-config
   libcli11-dev unzip libucx-dev ucx-utils
   libcpp-httplib-dev nlohmann-json3-dev curl)
+
+# oasiskv_release_mini_decoder: for the measuring scripts. Sets `model` and `bin` (SmolLM2 and
+# the release mini_decoder, built here when missing), fails naming scripts/fetch-models.sh when
+# the model is absent, and picks OpenBLAS's Haswell kernels on AVX2 machines (Debian's OpenBLAS
+# otherwise falls back to its slow generic ones on CPUs it does not know).
+oasiskv_release_mini_decoder() {
+  model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -e "$model" ] || { echo "error: $model is missing (run scripts/fetch-models.sh)" >&2; exit 1; }
+  bin=build/release/apps/mini_decoder/mini_decoder
+  if [ ! -x "$bin" ]; then
+    cmake --preset release >/dev/null
+    cmake --build --preset release --target mini_decoder
+  fi
+  if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+    export OPENBLAS_CORETYPE=Haswell
+  fi
+}

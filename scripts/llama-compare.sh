@@ -35,16 +35,8 @@ for t in $threads; do
   [[ "$t" =~ ^[1-9][0-9]*$ ]] || { echo "error: --threads takes positive counts, not '$t'" >&2; exit 2; }
 done
 
-model=models/SmolLM2-135M-Instruct.Q4_1.gguf
-[ -e "$model" ] || { echo "error: $model is missing (run scripts/fetch-models.sh)" >&2; exit 1; }
-bin=build/release/apps/mini_decoder/mini_decoder
-if [ ! -x "$bin" ]; then
-  cmake --preset release >/dev/null
-  cmake --build --preset release --target mini_decoder
-fi
-if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
-  export OPENBLAS_CORETYPE=Haswell  # Debian's OpenBLAS otherwise picks its slow generic kernels
-fi
+source scripts/common.sh
+oasiskv_release_mini_decoder  # sets model and bin
 
 # -- llama.cpp ----------------------------------------------------------------------------------
 llama_root=build/llama.cpp
