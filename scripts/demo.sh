@@ -27,7 +27,7 @@ Installs what is missing (Debian packages, as root), fetches SmolLM2-135M-Instru
   --help           this text
 
 These go to mini_decoder unchanged (`mini_decoder --help` says what each does):
-  --block N, --draft-len N, --draft-layers N, --temperature X, --top-p X, --seed N,
+  --summary S, --block N, --draft-len N, --draft-layers N, --temperature X, --top-p X, --seed N,
   --context N, --rope-scale X, --attention-threads N (default: --threads), --ignore-eos, --quiet
 EOF
 }
@@ -71,7 +71,7 @@ while [ $# -gt 0 ]; do
       esac
       shift 2 ;;
     --block | --draft-len | --draft-layers | --temperature | --top-p | --seed | --context | \
-      --rope-scale)
+      --rope-scale | --summary)
       [ $# -ge 2 ] || die "$1 needs a value"
       extra+=("$1" "$2")
       shift 2 ;;

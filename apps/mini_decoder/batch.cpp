@@ -91,6 +91,11 @@ batch_engine::batch_engine(const model& m, batch_options o)
     fail("bad cache layout (--block = ", o_.block_tokens, "): ", e.what());
   }
   block_bytes_ = l.block_bytes();
+  if (o_.mode == attention_mode::oasis) {
+    summary_block_bytes_ = bundles::with_summary(o_.summary, [&]<class S>(std::type_identity<S>) {
+      return static_cast<std::uint64_t>(S(l, 1).bytes_per_block());
+    });
+  }
   fast_slots_ = o_.fast_tier_bytes / block_bytes_;
   oasiskv::cache_options co;
   co.max_tokens_per_sequence = ctx_;
@@ -145,9 +150,11 @@ batch_engine::batch_engine(const model& m, batch_options o)
           l, static_cast<std::uint32_t>(capacity_slots_),
           static_cast<std::uint32_t>(fast_tier_slots), co, o_.attention_threads);
     } else {
-      cache_ = std::make_unique<shared_cache<bundles::oasis_bundle>>(
-          l, static_cast<std::uint32_t>(capacity_slots_),
-          static_cast<std::uint32_t>(fast_tier_slots), co, o_.attention_threads);
+      cache_ = bundles::with_summary(o_.summary, [&]<class S>(std::type_identity<S>) {
+        return std::unique_ptr<cache>(std::make_unique<shared_cache<bundles::oasis_bundle<S>>>(
+            l, static_cast<std::uint32_t>(capacity_slots_),
+            static_cast<std::uint32_t>(fast_tier_slots), co, o_.attention_threads));
+      });
     }
   } catch (const oasiskv::error& e) {
     fail("cannot build the batched engine's ", to_string(o_.mode), " KV cache: ", e.what());
@@ -165,7 +172,9 @@ sequence_need batch_engine::need(std::uint32_t prompt_tokens, std::uint32_t max_
                                       ? blocks
                                       : std::min<std::uint64_t>(blocks, 2ull * budget_blocks_ + 4);
   sequence_need r;
-  r.fast_slots = per_layer * m_.config.num_layers;
+  r.summary_bytes = blocks * m_.config.num_layers * summary_block_bytes_;
+  r.fast_slots =
+      per_layer * m_.config.num_layers + (r.summary_bytes + block_bytes_ - 1) / block_bytes_;
   r.capacity_slots = (blocks + 1) * m_.config.num_layers;
   r.fast_bytes = r.fast_slots * block_bytes_;
   return r;

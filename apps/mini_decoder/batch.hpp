@@ -41,6 +41,7 @@ struct batch_request {
 //! How the engine is built.
 struct batch_options {
   attention_mode mode = attention_mode::dense;  //!< dense or oasis
+  summary_kind summary = default_summary;       //!< oasis: the block summary
   //! The fast tier's size, the admission budget: requests are admitted while the fast-tier
   //! memory they need (`batch_engine::need`) fits in it. Required (> 0).
   std::uint64_t fast_tier_bytes = 0;
@@ -57,9 +58,12 @@ struct batch_options {
 
 //! What one sequence holds at its final length (prompt + max_tokens), in blocks of the cache.
 struct sequence_need {
-  std::uint64_t fast_slots = 0;      //!< fast-tier blocks (what admission counts)
+  //! Fast-tier blocks (what admission counts): the staged blocks, plus the block summaries'
+  //! bytes rounded up to blocks (they are resident beside the staged KV).
+  std::uint64_t fast_slots = 0;
   std::uint64_t capacity_slots = 0;  //!< capacity-tier blocks
   std::uint64_t fast_bytes = 0;      //!< fast_slots * block bytes
+  std::uint64_t summary_bytes = 0;   //!< of fast_bytes, the summaries' (before rounding)
 };
 
 //! Timings of one request; seconds are counted from its `submit`.
@@ -120,8 +124,10 @@ class batch_engine {
   //! dense: every block of every layer, `layers * blocks(len)` fast and capacity slots. Oasis:
   //! per layer the selection being attended and the next one being prefetched plus the sinks
   //! and window a lookahead adds, `2 * budget_blocks + 4`, capped by the dense need `blocks(len)`
-  //! (the staging `make_kv_backend` gives one sequence); its whole KV in the capacity tier. The
-  //! capacity side counts one block per layer of slack, as `make_kv_backend` does.
+  //! (the staging `make_kv_backend` gives one sequence), and the summary entries of all its
+  //! blocks, `layers * blocks(len) * summary bytes per block`, rounded up to whole blocks; its
+  //! whole KV in the capacity tier. The capacity side counts one block per layer of slack, as
+  //! `make_kv_backend` does.
   sequence_need need(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const;
 
   bool done(request_id id) const;
@@ -178,6 +184,7 @@ class batch_engine {
   std::unique_ptr<cache> cache_;
   std::uint32_t ctx_ = 0, kv_dim_ = 0, budget_blocks_ = 0;
   std::uint64_t block_bytes_ = 0, fast_slots_ = 0, capacity_slots_ = 0;
+  std::uint64_t summary_block_bytes_ = 0;  //!< oasis: the summary's bytes per block
   std::uint64_t fast_used_ = 0, capacity_used_ = 0;
   request_id next_id_ = 1;
   std::map<request_id, record> records_;

@@ -7,11 +7,15 @@
 
 #include <memory>
 #include <numeric>
+#include <type_traits>
 
+#include "kv_backend.hpp"
 #include "oasiskv/oasiskv.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/predictor/recency_predictor.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/quantized_key_summary.hpp"
+#include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "quant.hpp"
 
 namespace mini_decoder::bundles {
@@ -44,19 +48,38 @@ struct bundle {
   using kernel = oasiskv::cpu::sparse_decode;
 };
 
-using summary = oasiskv::minmax_summary<>;  //!< the block summary of the predicting modes
 //! Every block resident, every block attended.
 using dense_bundle = bundle<oasiskv::all_resident, select_all_predictor>;
-//! Lookahead prediction from the previous step's queries, prefetched ahead of attention.
-using oasis_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::lookahead_predictor<summary>>;
-//! Prediction from the current query, fetched on demand (Quest).
-using quest_bundle =
-    bundle<oasiskv::on_demand_fetcher<>, oasiskv::current_query_predictor<summary>>;
+//! Lookahead prediction from the previous step's queries through `Summary`, prefetched ahead of
+//! attention.
+template <class Summary>
+using oasis_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::lookahead_predictor<Summary>>;
+//! Prediction from the current query through the f16 min/max bounds, fetched on demand (Quest).
+using quest_bundle = bundle<oasiskv::on_demand_fetcher<>,
+                            oasiskv::current_query_predictor<oasiskv::minmax_summary<>>>;
 //! The most recent blocks only.
 using recency_bundle = bundle<oasiskv::lookahead_prefetcher<>, oasiskv::recency_predictor>;
-//! Lookahead prediction, but fetched at attention time (no overlap).
+//! Lookahead prediction through `Summary`, but fetched at attention time (no overlap).
+template <class Summary>
 using on_demand_bundle =
-    bundle<oasiskv::on_demand_fetcher<>, oasiskv::lookahead_predictor<summary>>;
+    bundle<oasiskv::on_demand_fetcher<>, oasiskv::lookahead_predictor<Summary>>;
+
+//! Calls `f(std::type_identity<S>{})` with the summary type `S` that `k` names; returns what
+//! `f` returns (the same type for every `S`).
+template <class F>
+decltype(auto) with_summary(summary_kind k, F&& f) {
+  switch (k) {
+    case summary_kind::qminmax:
+      return f(std::type_identity<oasiskv::quantized_minmax_summary>{});
+    case summary_kind::int8:
+      return f(std::type_identity<oasiskv::int8_key_summary>{});
+    case summary_kind::int4:
+      return f(std::type_identity<oasiskv::int4_key_summary>{});
+    case summary_kind::minmax:
+      break;
+  }
+  return f(std::type_identity<oasiskv::minmax_summary<>>{});
+}
 
 //! The attention kernel of `threads` threads. With more than one it runs on the engine's pool
 //! (`shared_engine_pool`, where the products run) when that pool has as many threads, so the

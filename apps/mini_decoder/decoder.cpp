@@ -169,6 +169,7 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
   report_.prompt_tokens = P;
   cache_config cc{o_.mode,         c.num_layers,     c.num_heads, c.num_kv_heads,      c.head_dim,
                   o_.block_tokens, o_.budget_tokens, ctx,         o_.attention_threads};
+  cc.summary = o_.summary;
   cache_ = o_.backend ? o_.backend(cc) : make_kv_backend(cc);
   if (!cache_) {
     fail("the KV backend factory returned no backend");
@@ -293,6 +294,7 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
   report_.cache = cache_->stats();
   report_.fast_tier_bytes = cache_->fast_tier_bytes();
   report_.capacity_tier_bytes = cache_->capacity_tier_bytes();
+  report_.summary_bytes = cache_->summary_bytes();
   const oasiskv::kv_layout& l = cache_->layout();
   report_.dense_kv_bytes =
       std::uint64_t{l.num_layers} * l.blocks_for(cache_->length(0)) * l.block_bytes();

@@ -20,6 +20,7 @@ namespace mini_decoder {
 
 struct decoder_options {
   attention_mode mode = attention_mode::dense;
+  summary_kind summary = default_summary;  // oasis, on-demand: the block summary
   std::uint32_t budget_tokens = 1024;
   std::uint32_t block_tokens = 16;
   draft_kind draft = draft_kind::none;
@@ -48,6 +49,7 @@ struct generation_report {
   std::uint64_t fast_tier_bytes = 0;      // the staging pool OasisKV holds in fast memory
   std::uint64_t dense_kv_bytes = 0;       // every block of every layer at the final length
   std::uint64_t capacity_tier_bytes = 0;  // the capacity tier's pool
+  std::uint64_t summary_bytes = 0;        // the block summaries, resident beside the fast tier
   double decode_tokens_per_second() const {
     return decode_seconds > 0 ? (generated > 0 ? generated - 1 : 0) / decode_seconds : 0.0;
   }

@@ -32,6 +32,34 @@ attention_mode parse_mode(const std::string& s) {
   fail("unknown --mode '", s, "' (dense, oasis, quest, recency, on-demand)");
 }
 
+const char* to_string(summary_kind k) {
+  switch (k) {
+    case summary_kind::minmax:
+      return "minmax";
+    case summary_kind::qminmax:
+      return "qminmax";
+    case summary_kind::int8:
+      return "int8";
+    case summary_kind::int4:
+      return "int4";
+  }
+  return "?";
+}
+
+const char* summary_names() {
+  return "minmax|qminmax|int8|int4";
+}
+
+summary_kind parse_summary(const std::string& s) {
+  for (auto k :
+       {summary_kind::minmax, summary_kind::qminmax, summary_kind::int8, summary_kind::int4}) {
+    if (s == to_string(k)) {
+      return k;
+    }
+  }
+  fail("unknown --summary '", s, "' (", summary_names(), ")");
+}
+
 namespace {
 
 using namespace bundles;
@@ -68,6 +96,7 @@ class backend final : public kv_backend {
   std::uint64_t capacity_tier_bytes() const override {
     return std::uint64_t{slow_slots_} * cache_.layout().block_bytes();
   }
+  std::uint64_t summary_bytes() const override { return cache_.summary_bytes(); }
   std::uint32_t budget_tokens() const override { return cache_.options().budget_tokens; }
 
  private:
@@ -113,8 +142,10 @@ std::unique_ptr<kv_backend> make_kv_backend(const cache_config& c) {
   try {
     switch (c.mode) {
       case attention_mode::oasis:
-        return std::make_unique<backend<oasis_bundle>>(l, slow_slots, fast_slots, o,
-                                                       c.attention_threads);
+        return with_summary(c.summary, [&]<class S>(std::type_identity<S>) {
+          return std::unique_ptr<kv_backend>(std::make_unique<backend<oasis_bundle<S>>>(
+              l, slow_slots, fast_slots, o, c.attention_threads));
+        });
       case attention_mode::quest:
         return std::make_unique<backend<quest_bundle>>(l, slow_slots, fast_slots, o,
                                                        c.attention_threads);
@@ -122,8 +153,10 @@ std::unique_ptr<kv_backend> make_kv_backend(const cache_config& c) {
         return std::make_unique<backend<recency_bundle>>(l, slow_slots, fast_slots, o,
                                                          c.attention_threads);
       case attention_mode::on_demand:
-        return std::make_unique<backend<on_demand_bundle>>(l, slow_slots, fast_slots, o,
-                                                           c.attention_threads);
+        return with_summary(c.summary, [&]<class S>(std::type_identity<S>) {
+          return std::unique_ptr<kv_backend>(std::make_unique<backend<on_demand_bundle<S>>>(
+              l, slow_slots, fast_slots, o, c.attention_threads));
+        });
       default:
         break;
     }

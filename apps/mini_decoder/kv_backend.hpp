@@ -18,6 +18,17 @@ enum class attention_mode : std::uint8_t { dense, oasis, quest, recency, on_dema
 const char* to_string(attention_mode m);
 attention_mode parse_mode(const std::string& s);  // throws decoder_error on an unknown name
 
+//! The block summary the predicting modes (oasis, on-demand) score blocks with (`--summary`):
+//! min/max bounds in f16 (`minmax`) or int8 (`qminmax`), int8 or int4 copies of every key
+//! (`int8`, `int4`). Quest keeps the f16 bounds (its published form).
+enum class summary_kind : std::uint8_t { minmax, qminmax, int8, int4 };
+const char* to_string(summary_kind k);
+summary_kind parse_summary(const std::string& s);  // throws decoder_error on an unknown name
+//! Every `summary_kind`'s name, '|'-separated (for help texts and errors).
+const char* summary_names();
+//! The default: the configuration with the best measured quality per resident byte.
+inline constexpr summary_kind default_summary = summary_kind::minmax;
+
 struct cache_config {
   attention_mode mode = attention_mode::dense;
   std::uint32_t num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
@@ -25,6 +36,7 @@ struct cache_config {
   std::uint32_t budget_tokens = 1024;  // per (sequence, layer); ignored by dense
   std::uint32_t max_tokens = 0;        // the context
   unsigned attention_threads = 1;
+  summary_kind summary = default_summary;  // the predicting modes' block summary
 };
 
 //! The calls the decode loop makes; one virtual call per layer and step, nothing per token.
@@ -46,6 +58,8 @@ class kv_backend {
   //! Bytes of the fast tier (the staging pool) and of the capacity tier.
   virtual std::uint64_t fast_tier_bytes() const = 0;
   virtual std::uint64_t capacity_tier_bytes() const = 0;
+  //! Bytes of the block summaries held beside the fast tier (0 for modes without a summary).
+  virtual std::uint64_t summary_bytes() const = 0;
   virtual std::uint32_t budget_tokens() const = 0;
 };
 

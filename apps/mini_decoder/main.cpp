@@ -19,6 +19,7 @@ struct cli_options {
   std::string model, prompt, prompt_file, tokenizer, mode = "dense", draft = "none", compare;
   std::string expect_answer;  // text each answer is checked for (case-insensitive)
   std::string matmul = "int8";
+  std::string summary = to_string(default_summary);
   // --throughput: the equal-memory throughput run instead of one generation.
   std::uint32_t throughput_requests = 0, throughput_prompt_tokens = 8064, dense_sequences = 4;
   double fast_tier_mib = 0;
@@ -132,11 +133,13 @@ void print_table(const cli_options& cli, const generation_report& r, const gener
                                      : 0.0);
   });
   both("fast-tier bytes held", [](const generation_report& x) { return mib(x.fast_tier_bytes); });
+  both("block summary bytes", [](const generation_report& x) { return mib(x.summary_bytes); });
   both("dense KV bytes (final length)",
        [](const generation_report& x) { return mib(x.dense_kv_bytes); });
-  both("fast tier / dense", [](const generation_report& x) {
-    return fmt::format("{:.3f}",
-                       x.dense_kv_bytes ? double(x.fast_tier_bytes) / x.dense_kv_bytes : 0.0);
+  both("(fast tier + summaries) / dense", [](const generation_report& x) {
+    return fmt::format(
+        "{:.3f}",
+        x.dense_kv_bytes ? double(x.fast_tier_bytes + x.summary_bytes) / x.dense_kv_bytes : 0.0);
   });
   if (dense_tokens != nullptr) {
     const agreement g = agreement_of(tokens, *dense_tokens);
@@ -152,6 +155,7 @@ void print_table(const cli_options& cli, const generation_report& r, const gener
 int run_throughput_mode(const cli_options& cli, const model& m, const std::string& text) {
   throughput_options o;
   o.mode = cli.dec.mode;
+  o.summary = cli.dec.summary;
   o.requests = cli.throughput_requests;
   o.prompt_tokens = cli.throughput_prompt_tokens;
   o.answer_tokens = cli.dec.max_tokens;
@@ -176,6 +180,7 @@ int run(cli_options& cli) {
   set_num_threads(cli.threads);
   set_matmul_activations(matmul_activations_from_string(cli.matmul));
   cli.dec.mode = parse_mode(cli.mode);
+  cli.dec.summary = parse_summary(cli.summary);
   cli.dec.draft = parse_draft(cli.draft);
   if (!cli.compare.empty() && cli.compare != "dense") {
     fail("--compare accepts only 'dense'");
@@ -266,8 +271,8 @@ int run(cli_options& cli) {
     const agreement g = agreement_of(tokens, dense_tokens);
     const double speed =
         r.decode_tokens_per_second() / std::max(1e-9, dense_report.decode_tokens_per_second());
-    const double memory =
-        double(r.dense_kv_bytes) / double(std::max<std::uint64_t>(1, r.fast_tier_bytes));
+    const std::uint64_t held_bytes = r.fast_tier_bytes + r.summary_bytes;
+    const double memory = double(r.dense_kv_bytes) / double(std::max<std::uint64_t>(1, held_bytes));
     std::string facts;
     if (!cli.expect_answer.empty()) {
       facts =
@@ -281,11 +286,12 @@ int run(cli_options& cli) {
                                  ? fmt::format("{:.2f}x less", memory)
                                  : std::string("more: the budget covers the whole context");
     std::printf(
-        "\nverdict: %s (budget %u tokens) decoded at %.2fx dense's speed, holding %s of KV in fast "
-        "memory where dense needs %s (%s); %zu of %zu tokens equal dense's%s\n",
+        "\nverdict: %s (budget %u tokens) decoded at %.2fx dense's speed, holding %s of KV and "
+        "block summaries in fast memory where dense needs %s (%s); %zu of %zu tokens equal "
+        "dense's%s\n",
         cli.mode == "oasis" ? "OasisKV" : cli.mode.c_str(), cli.dec.budget_tokens, speed,
-        mib(r.fast_tier_bytes).c_str(), mib(r.dense_kv_bytes).c_str(), held.c_str(), g.same,
-        g.length, facts.c_str());
+        mib(held_bytes).c_str(), mib(r.dense_kv_bytes).c_str(), held.c_str(), g.same, g.length,
+        facts.c_str());
     std::fflush(stdout);
   }
   return 0;
@@ -320,6 +326,10 @@ int main(int argc, char** argv) {
   app.add_option("--mode", cli.mode, "dense|oasis|quest|recency|on-demand")
       ->capture_default_str()
       ->check(CLI::IsMember({"dense", "oasis", "quest", "recency", "on-demand"}));
+  app.add_option("--summary", cli.summary,
+                 std::string("oasis, on-demand: the block summary the predictor scores with (") +
+                     summary_names() + ")")
+      ->capture_default_str();
   app.add_option("--budget", d.budget_tokens, "tokens attended per layer and step")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1u << 24));

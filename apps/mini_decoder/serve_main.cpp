@@ -26,6 +26,7 @@ int serve_main(int argc, char** argv) {
       "mini_decoder serve"};
   server_options o;
   std::string model_path, tokenizer_path, mode = "dense", matmul = "int8";
+  std::string summary = to_string(default_summary);
   double fast_tier_mib = 256;
   int threads = 1;
   app.add_option("--model", model_path, "GGUF or llama2.c model file")
@@ -41,6 +42,10 @@ int serve_main(int argc, char** argv) {
   app.add_option("--mode", mode, "dense|oasis")
       ->capture_default_str()
       ->check(CLI::IsMember({"dense", "oasis"}));
+  app.add_option("--summary", summary,
+                 std::string("oasis: the block summary the predictor scores with (") +
+                     summary_names() + ")")
+      ->capture_default_str();
   app.add_option("--budget", o.engine.budget_tokens, "oasis: tokens attended per layer and step")
       ->capture_default_str()
       ->check(CLI::Range(1u, 1u << 24));
@@ -84,6 +89,7 @@ int serve_main(int argc, char** argv) {
     set_num_threads(threads);
     set_matmul_activations(matmul_activations_from_string(matmul));
     o.engine.mode = parse_mode(mode);
+    o.engine.summary = parse_summary(summary);
     o.engine.fast_tier_bytes = static_cast<std::uint64_t>(fast_tier_mib * 1048576.0);
     const auto m = load_model(model_path, tokenizer_path);
     // SIGINT and SIGTERM wait for sigwait below: blocked here, before any thread starts, so

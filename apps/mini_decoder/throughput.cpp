@@ -101,6 +101,7 @@ throughput_result run_throughput(const model& m, const std::vector<std::vector<i
     r.fast_tier_bytes = std::uint64_t{o.dense_sequences} * blocks * c.num_layers * block_bytes;
   }
   bo.mode = o.mode;
+  bo.summary = o.summary;
   bo.fast_tier_bytes = r.fast_tier_bytes;
   bo.budget_tokens = o.budget_tokens;
   bo.max_batch = o.max_batch;

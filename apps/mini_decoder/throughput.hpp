@@ -17,6 +17,7 @@ namespace mini_decoder {
 
 struct throughput_options {
   attention_mode mode = attention_mode::dense;  //!< dense or oasis
+  summary_kind summary = default_summary;       //!< oasis: the block summary
   std::uint32_t requests = 16;                  //!< requests in the stream
   std::uint32_t prompt_tokens = 8064;           //!< each request's prompt
   std::uint32_t answer_tokens = 128;            //!< generated per request (end tokens ignored)

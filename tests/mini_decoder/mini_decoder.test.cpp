@@ -92,6 +92,7 @@ class logging_backend final : public kv_backend {
   const oasiskv::kv_layout& layout() const override { return inner_->layout(); }
   std::uint64_t fast_tier_bytes() const override { return inner_->fast_tier_bytes(); }
   std::uint64_t capacity_tier_bytes() const override { return inner_->capacity_tier_bytes(); }
+  std::uint64_t summary_bytes() const override { return inner_->summary_bytes(); }
   std::uint32_t budget_tokens() const override { return inner_->budget_tokens(); }
 
  private:
@@ -184,6 +185,7 @@ class replay_backend final : public kv_backend {
   const oasiskv::kv_layout& layout() const override { return layout_; }
   std::uint64_t fast_tier_bytes() const override { return 0; }
   std::uint64_t capacity_tier_bytes() const override { return 0; }
+  std::uint64_t summary_bytes() const override { return 0; }
   std::uint32_t budget_tokens() const override { return c_.budget_tokens; }
   std::size_t calls() const { return calls_; }
 
@@ -336,6 +338,51 @@ TEST_CASE(
   }
 }
 
+TEST_CASE(
+    "every --summary selects sparsely, and its tokens equal attention over what it attended") {
+  const model& m = stories_model();
+  const auto prompt = m.tok->encode("Once upon a time", true);
+  decoder_options o;
+  o.mode = attention_mode::oasis;
+  o.max_tokens = 160;
+  o.block_tokens = 16;
+  o.budget_tokens = 64;
+  o.ignore_eos = true;
+  std::vector<std::uint64_t> bytes;
+  for (const summary_kind k :
+       {summary_kind::qminmax, summary_kind::minmax, summary_kind::int4, summary_kind::int8}) {
+    CAPTURE(to_string(k));
+    CHECK(parse_summary(to_string(k)) == k);
+    o.summary = k;
+    std::vector<attend_record> log;
+    o.backend = [&log](const cache_config& c) {
+      return std::make_unique<logging_backend>(make_kv_backend(c), log);
+    };
+    decoder d(m, o);
+    const auto sparse = d.generate(prompt);
+    REQUIRE(sparse.size() == o.max_tokens);
+    std::size_t sparse_tables = 0;
+    for (const attend_record& r : log) {
+      const std::uint32_t held = (r.length + o.block_tokens - 1) / o.block_tokens;
+      sparse_tables += held > 8 && r.blocks.table(0, 0).size() == 4 ? 1 : 0;
+    }
+    CHECK(sparse_tables > 100);
+    bytes.push_back(d.report().summary_bytes);
+    decoder_options replayed = o;
+    replayed.backend = [&log](const cache_config& c) {
+      return std::make_unique<replay_backend>(c, log);
+    };
+    decoder r(m, replayed);
+    CHECK(r.generate(prompt) == sparse);
+  }
+  // Per block: int8 bounds < f16 bounds < an int4 key per token < an int8 key per token.
+  REQUIRE(bytes.size() == 4);
+  CHECK(bytes[0] > 0);
+  CHECK(bytes[0] < bytes[1]);
+  CHECK(bytes[1] < bytes[2]);
+  CHECK(bytes[2] < bytes[3]);
+}
+
 TEST_CASE("a small budget runs sparse and counts its transfers") {
   const model& m = stories_model();
   const auto prompt = m.tok->encode("Once upon a time", true);
@@ -417,5 +464,7 @@ TEST_CASE("bad input gives one clear error") {
   SUBCASE("unknown mode and draft names") {
     CHECK(error_of([] { parse_mode("sparse"); }).find("unknown --mode") != std::string::npos);
     CHECK(error_of([] { parse_draft("big"); }).find("unknown --draft") != std::string::npos);
+    CHECK(error_of([] { parse_summary("int2"); }).find("unknown --summary 'int2'") !=
+          std::string::npos);
   }
 }
