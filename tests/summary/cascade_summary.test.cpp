@@ -314,3 +314,33 @@ TEST_CASE("cascade_summary: bad input names the value") {
   expect_error([&] { c.score_two_stage(5, ids, q.data(), 1, 0.0f, 1, out.data()); },
                errc::out_of_range, "5");
 }
+
+TEST_CASE("softmax mass gives ruled-out (-inf) blocks exactly zero mass, never subnormal") {
+  // Most blocks of a two-stage score are -inf: their share of each row must be an exact 0 (a
+  // subnormal would cost a microcode assist per block in the sums), the others' shares sum to
+  // the number of rows.
+  constexpr std::uint32_t blocks = 100, rows = 3;
+  std::vector<float> raw(std::size_t{rows} * blocks, -std::numeric_limits<float>::infinity());
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    raw[std::size_t{r} * blocks + 7] = 1.0f;
+    raw[std::size_t{r} * blocks + 50 + r] = 2.0f;
+    raw[std::size_t{r} * blocks + 90] = -60.0f;  // exp(-62 / 8): small, normal
+  }
+  const aggregation_context ctx{blocks, rows, 1, 0.125f, nullptr};
+  softmax_mass_aggregation agg;
+  std::vector<float> acc(blocks);
+  agg.combine(ctx, raw.data(), acc.data(), true);
+  double total = 0.0;
+  for (std::uint32_t b = 0; b < blocks; ++b) {
+    CAPTURE(b);
+    CHECK(std::fpclassify(acc[b]) != FP_SUBNORMAL);
+    const bool scored = b == 7 || b == 90 || (b >= 50 && b < 50 + rows);
+    if (scored) {
+      CHECK(acc[b] > 0.0f);
+    } else {
+      CHECK(acc[b] == 0.0f);
+    }
+    total += acc[b];
+  }
+  CHECK(total == doctest::Approx(rows).epsilon(1e-5));
+}
