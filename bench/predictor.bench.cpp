@@ -21,6 +21,11 @@
 //   lookahead_mean/<shape>/tokens:N              lookahead_predictor<mean_summary>
 //   lookahead_int8_keys/<shape>/tokens:N         ... int8_key_summary, max (exact block max)
 //   lookahead_int8_keys_mass/<shape>/tokens:N    ... int8_key_summary, softmax mass (exact mass)
+//   lookahead_quantized_mass/<shape>/tokens:N    ... quantized_minmax_summary, softmax mass
+//   lookahead_int4_keys_mass/<shape>/tokens:N    ... int4_key_summary, softmax mass (exact mass)
+//   lookahead_cascade_mass/<shape>/tokens:N/factor:F  ... qminmax_int4_cascade, softmax mass:
+//                                                the int8 bounds keep ceil(F x budget) contenders
+//                                                per KV head, int4 keys give their exact mass
 // (Every row names its aggregation: max unless said, as measured before softmax mass became
 // lookahead_predictor's default.)
 // Shapes: llama32k (32 q / 8 kv heads, head dim 128) and smollm2 (9 q / 3 kv, head dim 64), both
@@ -45,6 +50,7 @@
 #include "oasiskv/concepts/block_summary.hpp"
 #include "oasiskv/core/isa.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
+#include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
@@ -180,8 +186,10 @@ struct fixture {
   legacy_minmax_f16 legacy;
   mean_summary mean;
   int8_key_summary int8_keys;
+  int4_key_summary int4_keys;
   std::vector<std::uint32_t> ids;
-  std::vector<float> q;  // [8][num_q_heads][head_dim]
+  std::vector<float> q;                                           // [8][num_q_heads][head_dim]
+  std::map<int, std::unique_ptr<qminmax_int4_cascade>> cascades;  // by contender factor
 
   explicit fixture(const shape& s)
       : layout{1, s.q_heads, s.kv_heads, s.head_dim, tokens_per_block, dtype::f16},
@@ -192,6 +200,7 @@ struct fixture {
         legacy(layout, num_blocks),
         mean(layout, num_blocks),
         int8_keys(layout, num_blocks),
+        int4_keys(layout, num_blocks),
         ids(num_blocks) {
     std::mt19937 rng(42);
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -207,6 +216,11 @@ struct fixture {
       legacy.update(b, pool.slot_data(b), 0, tokens_per_block);
       mean.update(b, pool.slot_data(b), 0, tokens_per_block);
       int8_keys.update(b, pool.slot_data(b), 0, tokens_per_block);
+      int4_keys.update(b, pool.slot_data(b), 0, tokens_per_block);
+    }
+    for (const float factor : {2.0f, 4.0f, 8.0f}) {  // copies of the parts built above
+      cascades.emplace(static_cast<int>(factor), std::make_unique<qminmax_int4_cascade>(
+                                                     quantized, int4_keys, cascade_params{factor}));
     }
     std::iota(ids.begin(), ids.end(), 0u);
     q.resize(std::size_t{8} * layout.num_q_heads * layout.head_dim);
@@ -312,11 +326,11 @@ std::pair<double, double> frac_of_dense_floor(fixture& f, Predictor& p,
   return {ratios[3], reads[3]};
 }
 
+// One predictor row over `summary`: the timed loop, then the counters described above.
 template <class Predictor, class Summary>
-void run_predictor(benchmark::State& state, Summary fixture::*summary) {
-  fixture& f = get(static_cast<int>(state.range(0)));
+void run_predictor_on(benchmark::State& state, fixture& f, Summary& summary) {
   const auto tokens = static_cast<std::uint32_t>(state.range(1));
-  const prediction_input<Summary> in = input_of(f, f.*summary, tokens);
+  const prediction_input<Summary> in = input_of(f, summary, tokens);
   Predictor p;
   selection sel;
   p.select(in, params, sel);  // warm the scratch buffers: steady state
@@ -331,11 +345,17 @@ void run_predictor(benchmark::State& state, Summary fixture::*summary) {
   const auto [frac, read_s] = frac_of_dense_floor(f, p, in, sel, per_call);
   state.counters["frac_of_dense_floor"] = frac;
   state.counters["dense_read_us"] = read_s * 1e6;
-  state.counters["summary_MiB"] = (f.*summary).bytes_per_block() * double{num_blocks} / (1 << 20);
+  state.counters["summary_MiB"] = summary.bytes_per_block() * double{num_blocks} / (1 << 20);
   state.counters["kv_MiB"] = static_cast<double>(f.kv_bytes()) / (1 << 20);
   state.counters["summary_over_kv"] =
-      static_cast<double>((f.*summary).bytes_per_block()) / f.layout.block_bytes();
-  state.counters["speedup_vs_f16"] = speedup_vs_f16<Predictor>(f, f.*summary, tokens);
+      static_cast<double>(summary.bytes_per_block()) / f.layout.block_bytes();
+  state.counters["speedup_vs_f16"] = speedup_vs_f16<Predictor>(f, summary, tokens);
+}
+
+template <class Predictor, class Summary>
+void run_predictor(benchmark::State& state, Summary fixture::*summary) {
+  fixture& f = get(static_cast<int>(state.range(0)));
+  run_predictor_on<Predictor>(state, f, f.*summary);
 }
 
 void bm_lookahead_minmax(benchmark::State& state) {
@@ -366,6 +386,29 @@ void bm_lookahead_int8_keys(benchmark::State& state) {
 void bm_lookahead_int8_keys_mass(benchmark::State& state) {
   run_predictor<lookahead_predictor<int8_key_summary, softmax_mass_aggregation>>(
       state, &fixture::int8_keys);
+}
+
+void bm_lookahead_quantized_mass(benchmark::State& state) {
+  run_predictor<lookahead_predictor<quantized_minmax_summary>>(state, &fixture::quantized);
+}
+void bm_lookahead_int4_keys_mass(benchmark::State& state) {
+  run_predictor<lookahead_predictor<int4_key_summary>>(state, &fixture::int4_keys);
+}
+void bm_lookahead_cascade_mass(benchmark::State& state) {
+  fixture& f = get(static_cast<int>(state.range(0)));
+  run_predictor_on<lookahead_predictor<qminmax_int4_cascade>>(
+      state, f, *f.cascades.at(static_cast<int>(state.range(2))));
+}
+
+void cascade_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"shape", "tokens", "factor"});
+  for (int s = 0; s < 2; ++s) {
+    for (int n : {1, 4}) {
+      for (int factor : {2, 4, 8}) {
+        b->Args({s, n, factor});
+      }
+    }
+  }
 }
 
 void shape_args(benchmark::internal::Benchmark* b) {
@@ -400,6 +443,19 @@ BENCHMARK(bm_lookahead_mean)
 BENCHMARK(bm_lookahead_int8_keys)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_int8_keys_mass)
     ->Apply(shape_args)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK(bm_lookahead_quantized_mass)
+    ->Apply(shape_args)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_int4_keys_mass)
+    ->Apply(shape_args)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_cascade_mass)
+    ->Apply(cascade_args)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

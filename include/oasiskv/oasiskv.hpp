@@ -27,6 +27,7 @@
 #include "oasiskv/concepts/sparse_attention_kernel.hpp"
 #include "oasiskv/concepts/tier_backend.hpp"
 #include "oasiskv/concepts/transfer_engine.hpp"
+#include "oasiskv/concepts/two_stage_summary.hpp"
 
 #include "oasiskv/allocator/free_list_allocator.hpp"
 #include "oasiskv/allocator/refcounted_allocator.hpp"
@@ -47,6 +48,7 @@
 #include "oasiskv/predictor/recency_predictor.hpp"
 #include "oasiskv/scheduler/eviction.hpp"
 #include "oasiskv/scheduler/staging_scheduler.hpp"
+#include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"

@@ -137,6 +137,12 @@ struct summary {
              float*) const;
   std::size_t bytes_per_block() const;
 };
+// block_summary plus the two_stage_summary hook.
+struct summary_with_two_stage : summary {
+  using summary::summary;
+  void score_two_stage(std::uint32_t, std::span<const std::uint32_t>, const float*, std::uint32_t,
+                       float, std::uint32_t, float*) const;
+};
 struct summary_without_update {
   summary_without_update(const kv_layout&, std::uint32_t);
   std::uint32_t capacity() const;

@@ -71,6 +71,20 @@ static_assert(selection_granularity<shared_selection> &&
 static_assert(!selection_granularity<granularity_not_constant>);
 static_assert(log_mass_summary<int8_key_summary> && !log_mass_summary<minmax_summary<f16>>);
 static_assert(!log_mass_summary<archetype::summary>);
+static_assert(two_stage_summary<archetype::summary_with_two_stage>);
+static_assert(two_stage_summary<qminmax_int4_cascade> && two_stage_summary<qminmax_int8_cascade>);
+static_assert(!two_stage_summary<archetype::summary> && !two_stage_summary<int4_key_summary> &&
+              !two_stage_summary<quantized_minmax_summary>);
+static_assert(block_summary<qminmax_int4_cascade> && growable_summary<qminmax_int4_cascade> &&
+              log_mass_summary<qminmax_int4_cascade>);
+// Optional hooks only where both parts (loadable, growable) or the fine part (row scoring) have
+// them: int4_key_summary loads nothing and writes no rows; both min/max summaries do both.
+static_assert(!loadable_summary<qminmax_int4_cascade> &&
+              !row_scoring_summary<qminmax_int4_cascade>);
+static_assert(loadable_summary<cascade_summary<quantized_minmax_summary, minmax_summary<f16>>> &&
+              row_scoring_summary<cascade_summary<quantized_minmax_summary, minmax_summary<f16>>>);
+static_assert(!log_mass_summary<cascade_summary<quantized_minmax_summary, minmax_summary<f16>>>);
+static_assert(summary_tile_entries_v<qminmax_int4_cascade> == detail::qminmax_lanes);
 
 // prefetch_scheduler
 static_assert(prefetch_scheduler<archetype::scheduler>);

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
   std::string drafter = "ngram";
   std::vector<std::uint32_t> budgets{256, 512, 1024, 2048}, blocks{16, 32};
   float rope_scale = 1.0f;
+  float contender_factor = oasiskv::cascade_params{}.contender_factor;
   std::uint64_t seed = 1;
   app.add_option("--model", model_path, "GGUF or llama2.c model")
       ->required()
@@ -104,9 +105,14 @@ int main(int argc, char** argv) {
   app.add_option("--budgets", budgets, "budgets in tokens")->check(CLI::Range(1u, 1u << 24));
   app.add_option("--blocks", blocks, "block sizes in tokens")->check(CLI::Range(1u, 1u << 24));
   app.add_option("--e2e", e2e_specs,
-                 "sparse-in-the-loop runs, pred:agg:budget[:scoring] (pred la1 la2 la4 prev cur "
-                 "recency; scoring summary (min/max f16, the default), qminmax (min/max in int8), "
-                 "int8 or int4 (key copies))");
+                 "sparse-in-the-loop runs, pred:agg:budget[:scoring[:factor]] (pred la1 la2 la4 "
+                 "prev cur recency; scoring summary (min/max f16, the default), qminmax (min/max "
+                 "in int8), int8 or int4 (key copies), cascade4 or cascade8 (qminmax picks "
+                 "factor x budget contenders, int4 / int8 keys score them; factor: "
+                 "--contender-factor unless given))");
+  app.add_option("--contender-factor", contender_factor,
+                 "cascade4 / cascade8: contenders = ceil(factor x budget blocks) per KV head")
+      ->check(CLI::Range(1.0f, 1.0e6f));
   app.add_option("--json", json_path, "write every figure here");
   app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");
   app.add_option("--seed", seed, "random predictor and sampled text");
@@ -212,14 +218,21 @@ int main(int argc, char** argv) {
         }
         at = next + 1;
       }
-      if (parts.size() != 3 && parts.size() != 4) {
-        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring]");
+      if (parts.size() < 3 || parts.size() > 5) {
+        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring[:factor]]");
       }
       sc.pred = parts[0];
       sc.agg = parts[1];
       sc.budget = static_cast<std::uint32_t>(std::stoul(parts[2]));
-      if (parts.size() == 4) {
+      if (parts.size() >= 4) {
         sc.scoring = parts[3];
+      }
+      sc.contender_factor = contender_factor;
+      if (parts.size() == 5) {
+        if (sc.scoring.rfind("cascade", 0) != 0) {
+          mini_decoder::fail("--e2e '", spec, "': only cascade4 / cascade8 take a factor");
+        }
+        sc.contender_factor = std::stof(parts[4]);  // checked by cascade_params
       }
       sc.block = blocks.front();
       t1 = clock_type::now();

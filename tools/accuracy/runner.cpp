@@ -9,18 +9,26 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <sstream>
 
 #include "common.hpp"
 #include "draft.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
+#include "oasiskv/summary/cascade_summary.hpp"
 #include "sampler.hpp"
 
 namespace accuracy {
 
 std::string sparse_config::name() const {
-  return pred + "/" + scoring + "/" + agg + "/shared/b" + std::to_string(block) + "/" +
+  std::string sc = scoring;
+  if (sc.rfind("cascade", 0) == 0) {
+    std::ostringstream f;
+    f << contender_factor;
+    sc += "x" + f.str();
+  }
+  return pred + "/" + sc + "/" + agg + "/shared/b" + std::to_string(block) + "/" +
          std::to_string(budget);
 }
 
@@ -56,11 +64,15 @@ struct predictors {
 // the library predictors it selects with.
 struct runner::sparse_state {
   oasiskv::kv_layout layout;
-  int kind = 0;  // which summary the run scores with: 0 min/max, 1 int8 min/max, 8 / 4 keys
+  // Which summary the run scores with: 0 min/max, 1 int8 min/max, 8 / 4 keys, 14 / 18 the
+  // int8 min/max -> int4 / int8 keys cascade.
+  int kind = 0;
   predictors<oasiskv::minmax_summary<>> minmax;
   predictors<oasiskv::quantized_minmax_summary> qminmax;
   predictors<oasiskv::int8_key_summary> keys8;
   predictors<oasiskv::int4_key_summary> keys4;
+  predictors<oasiskv::qminmax_int4_cascade> cascade4;
+  predictors<oasiskv::qminmax_int8_cascade> cascade8;
   std::vector<std::byte> slot;
   std::vector<std::uint32_t> ids;
   oasiskv::block_selector selector;
@@ -87,6 +99,10 @@ struct runner::sparse_state {
       keys8.summaries[l].update(b, slot.data(), first, count);
     } else if (kind == 4) {
       keys4.summaries[l].update(b, slot.data(), first, count);
+    } else if (kind == 14) {
+      cascade4.summaries[l].update(b, slot.data(), first, count);
+    } else if (kind == 18) {
+      cascade8.summaries[l].update(b, slot.data(), first, count);
     } else {
       minmax.summaries[l].update(b, slot.data(), first, count);
     }
@@ -213,14 +229,18 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
       ss->ids[i] = i;
     }
     if (sparse->scoring != "summary" && sparse->scoring != "qminmax" && sparse->scoring != "int8" &&
-        sparse->scoring != "int4") {
+        sparse->scoring != "int4" && sparse->scoring != "cascade4" &&
+        sparse->scoring != "cascade8") {
       mini_decoder::fail("--e2e scoring '", sparse->scoring,
-                         "' is not summary, qminmax, int8 or int4");
+                         "' is not summary, qminmax, int8, int4, cascade4 or cascade8");
     }
-    ss->kind = sparse->scoring == "int8"      ? 8
-               : sparse->scoring == "int4"    ? 4
-               : sparse->scoring == "qminmax" ? 1
-                                              : 0;
+    ss->kind = sparse->scoring == "int8"       ? 8
+               : sparse->scoring == "int4"     ? 4
+               : sparse->scoring == "qminmax"  ? 1
+               : sparse->scoring == "cascade4" ? 14
+               : sparse->scoring == "cascade8" ? 18
+                                               : 0;
+    const oasiskv::cascade_params cp{sparse->contender_factor};
     for (std::uint32_t l = 0; l < L; ++l) {
       if (ss->kind == 1) {
         ss->qminmax.summaries.emplace_back(ss->layout, cap);
@@ -228,6 +248,10 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
         ss->keys8.summaries.emplace_back(ss->layout, cap);
       } else if (ss->kind == 4) {
         ss->keys4.summaries.emplace_back(ss->layout, cap);
+      } else if (ss->kind == 14) {
+        ss->cascade4.summaries.emplace_back(ss->layout, cap, cp);
+      } else if (ss->kind == 18) {
+        ss->cascade8.summaries.emplace_back(ss->layout, cap, cp);
       } else {
         ss->minmax.summaries.emplace_back(ss->layout, cap);
       }
@@ -329,6 +353,10 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
             ss->keys8.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           } else if (ss->kind == 4) {
             ss->keys4.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
+          } else if (ss->kind == 14) {
+            ss->cascade4.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
+          } else if (ss->kind == 18) {
+            ss->cascade8.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           } else {
             ss->minmax.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           }

@@ -12,6 +12,7 @@
 
 #include "evaluator.hpp"
 #include "model.hpp"
+#include "oasiskv/summary/cascade_summary.hpp"
 #include "transformer.hpp"
 
 namespace accuracy {
@@ -20,12 +21,17 @@ namespace accuracy {
 //! selected from step i-1's queries of layer l (pending token + drafts), through the library's
 //! `lookahead_predictor<S, Agg>` (the deployed path), or Quest / recency; `S` is
 //! `minmax_summary<f16>` (scoring "summary"), `quantized_minmax_summary` ("qminmax": the same
-//! bounds in int8), `int8_key_summary` ("int8") or `int4_key_summary` ("int4").
+//! bounds in int8), `int8_key_summary` ("int8"), `int4_key_summary` ("int4") or a two-stage
+//! `cascade_summary`: the int8 bounds keep `contender_factor` x the budget's blocks, scored by
+//! int4 ("cascade4": `qminmax_int4_cascade`) or int8 ("cascade8") key copies.
 struct sparse_config {
   std::string pred = "la4";         // la1 la2 la4 prev cur recency
   std::string agg = "max";          // max mass conf
-  std::string scoring = "summary";  // summary (min/max f16), qminmax (int8 min/max), int8, int4
+  std::string scoring = "summary";  // summary, qminmax, int8, int4, cascade4, cascade8
   std::uint32_t budget = 1024, block = 16;
+  float contender_factor = oasiskv::cascade_params{}.contender_factor;  // cascade4 / cascade8
+  //! pred/scoring/agg/shared/bT/budget; a cascade's scoring also names its factor
+  //! (`cascade4x2`).
   std::string name() const;
 };
 

@@ -14,6 +14,7 @@
 #include "oasiskv/concepts/log_mass_summary.hpp"
 #include "oasiskv/concepts/row_scoring_summary.hpp"
 #include "oasiskv/concepts/score_aggregation.hpp"
+#include "oasiskv/concepts/two_stage_summary.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/predictor/aggregation.hpp"
@@ -65,7 +66,7 @@ class summary_scoring_predictor {
         blocks, rows, group, 1.0f / std::sqrt(static_cast<float>(l.head_dim)), in.queries.weights};
     for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
       gather_group_rows(l, in.queries, h, rows_);
-      score_head(*in.summaries, h, in.summary_ids, rows, ctx.scale);
+      score_head(*in.summaries, h, in.summary_ids, rows, ctx.scale, sp.budget_blocks);
       const std::uint32_t t = Granularity::per_kv_head ? h : 0;
       aggregation_.combine(ctx, raw_.data(), acc_.data() + std::size_t{t} * blocks,
                            Granularity::per_kv_head || h == 0);
@@ -82,9 +83,17 @@ class summary_scoring_predictor {
 
  private:
   // KV head h's scores of every block into raw_, [rows][blocks] (the aggregations' layout).
+  // `budget` (blocks kept per table) lets a two-stage summary score only its contenders.
   void score_head(const Summary& s, std::uint32_t h, std::span<const std::uint32_t> ids,
-                  std::uint32_t rows, float scale) {
-    if constexpr (mass_aggregation<Aggregation> && log_mass_summary<Summary>) {
+                  std::uint32_t rows, float scale, std::uint32_t budget) {
+    if constexpr (two_stage_summary<Summary>) {
+      // A cheap bound rules blocks out (-inf: no mass); the fine scorer ranks the rest, in
+      // log-mass units for a mass aggregation.
+      by_entry_.resize(raw_.size());
+      s.score_two_stage(h, ids, rows_.data(), rows, mass_aggregation<Aggregation> ? scale : 0.0f,
+                        budget, by_entry_.data());
+      transpose(ids.size(), rows);
+    } else if constexpr (mass_aggregation<Aggregation> && log_mass_summary<Summary>) {
       // The block's exact softmax mass (in the summary's domain) rather than its max.
       by_entry_.resize(raw_.size());
       s.score_log_mass(h, ids, rows_.data(), rows, scale, by_entry_.data());
@@ -92,6 +101,7 @@ class summary_scoring_predictor {
     } else if constexpr (row_scoring_summary<Summary>) {
       s.score_rows(h, ids, rows_.data(), rows, raw_.data());
     } else {
+      (void)budget;
       by_entry_.resize(raw_.size());
       s.score(h, ids, rows_.data(), rows, by_entry_.data());
       transpose(ids.size(), rows);

@@ -110,6 +110,14 @@ OASISKV_TARGET_AVX2 inline __m256 exp8_avx2(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// exp8_avx2, with 0 where the argument is below the clamp (-87.34: the exact result is below
+// FLT_MIN), so that sums over far-below-maximum blocks (a two-stage summary's -inf) add exact
+// zeros, not subnormals (a microcode assist each).
+OASISKV_TARGET_AVX2 inline __m256 exp8_normal(__m256 x) {
+  const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365478515625f), _CMP_GE_OQ);
+  return _mm256_and_ps(normal, exp8_avx2(x));
+}
+
 // out[i] = exp(scale * (x[i] - m)); returns the sum of the out[i]. Two accumulators: the adds of
 // consecutive vectors do not wait on each other.
 OASISKV_TARGET_AVX2 inline float exp_sum_avx2(const float* x, float m, std::size_t count,
@@ -118,15 +126,15 @@ OASISKV_TARGET_AVX2 inline float exp_sum_avx2(const float* x, float m, std::size
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   std::size_t i = 0;
   for (; i + 16 <= count; i += 16) {
-    const __m256 e0 = exp8_avx2(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
-    const __m256 e1 = exp8_avx2(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), mv)));
+    const __m256 e0 = exp8_normal(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+    const __m256 e1 = exp8_normal(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), mv)));
     _mm256_storeu_ps(out + i, e0);
     _mm256_storeu_ps(out + i + 8, e1);
     a0 = _mm256_add_ps(a0, e0);
     a1 = _mm256_add_ps(a1, e1);
   }
   for (; i + 8 <= count; i += 8) {
-    const __m256 e0 = exp8_avx2(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+    const __m256 e0 = exp8_normal(_mm256_mul_ps(s, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
     _mm256_storeu_ps(out + i, e0);
     a0 = _mm256_add_ps(a0, e0);
   }
