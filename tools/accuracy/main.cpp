@@ -11,7 +11,9 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -103,10 +105,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 1u << 24));
   app.add_option("--budgets", budgets, "budgets in tokens")->check(CLI::Range(1u, 1u << 24));
   app.add_option("--blocks", blocks, "block sizes in tokens")->check(CLI::Range(1u, 1u << 24));
-  app.add_option("--e2e", e2e_specs,
-                 "sparse-in-the-loop runs, pred:agg:budget[:scoring] (pred la1 la2 la4 prev cur "
-                 "recency; scoring summary (min/max f16, the default), qminmax (min/max in int8), "
-                 "int8 or int4 (key copies))");
+  app.add_option(
+      "--e2e", e2e_specs,
+      "sparse-in-the-loop runs, pred:agg:budget[:scoring[:tMASS]] (pred la1 la2 la4 prev cur "
+      "recency; scoring summary (min/max f16, the default), qminmax (min/max in int8), "
+      "int8 or int4 (key copies); tMASS, e.g. t0.9: an adaptive budget, the fewest blocks "
+      "covering MASS of the predicted mass, budget on average)");
   app.add_option("--json", json_path, "write every figure here");
   app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");
   app.add_option("--seed", seed, "random predictor and sampled text");
@@ -212,14 +216,28 @@ int main(int argc, char** argv) {
         }
         at = next + 1;
       }
-      if (parts.size() != 3 && parts.size() != 4) {
-        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring]");
+      if (parts.size() < 3 || parts.size() > 5) {
+        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring[:tMASS]]");
       }
       sc.pred = parts[0];
       sc.agg = parts[1];
       sc.budget = static_cast<std::uint32_t>(std::stoul(parts[2]));
-      if (parts.size() == 4) {
+      if (parts.size() >= 4) {
         sc.scoring = parts[3];
+      }
+      if (parts.size() == 5) {  // tMASS: an adaptive budget covering MASS of the predicted mass
+        char* end = nullptr;
+        const float t = parts[4].size() > 1 && parts[4][0] == 't'
+                            ? std::strtof(parts[4].c_str() + 1, &end)
+                            : std::numeric_limits<float>::quiet_NaN();
+        if (end == nullptr || *end != '\0' || !(t > 0.0f && t <= 1.0f)) {
+          mini_decoder::fail("--e2e '", spec, "': '", parts[4],
+                             "' is not tMASS with MASS in (0, 1], e.g. t0.9");
+        }
+        if (sc.pred == "recency") {
+          mini_decoder::fail("--e2e '", spec, "': recency has no mass to cover");
+        }
+        sc.target_mass = t;
       }
       sc.block = blocks.front();
       t1 = clock_type::now();
@@ -242,11 +260,17 @@ int main(int argc, char** argv) {
       // previous step (what a prefetcher fetches per step; a cache holding only the last
       // selection would miss this share on demand).
       row["churn"] = sg.churn_all ? double(sg.churn_new) / double(sg.churn_all) : 0.0;
+      // Blocks attended per predicted (step, layer) on the greedy continuation and on the
+      // held-out text: fixed and adaptive budgets compare at equal means.
+      row["mean_blocks"] = sg.selections ? double(sg.selected_blocks) / sg.selections : 0.0;
+      row["mean_blocks_held_out"] =
+          sh.selections ? double(sh.selected_blocks) / sh.selections : 0.0;
+      row["target_mass"] = sc.target_mass;
       fmt::print(stderr,
                  "e2e {}: agreement {:.4f} (held-out {:.4f}), ppl {:.3f} vs dense {:.3f}, "
-                 "churn {:.4f} ({:.1f} s)\n",
+                 "churn {:.4f}, mean blocks {:.2f} (held-out {:.2f}) ({:.1f} s)\n",
                  sc.name(), row["agreement"], row["agreement_held_out"], ppl, ppl_dense,
-                 row["churn"], since(t1));
+                 row["churn"], row["mean_blocks"], row["mean_blocks_held_out"], since(t1));
     }
 
     fmt::print("{:<44} {:>9} {:>10} {:>10} {:>7} {:>10} {:>8}\n", "config", "agree_all",

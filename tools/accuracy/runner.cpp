@@ -20,8 +20,14 @@
 namespace accuracy {
 
 std::string sparse_config::name() const {
-  return pred + "/" + scoring + "/" + agg + "/shared/b" + std::to_string(block) + "/" +
-         std::to_string(budget);
+  std::string n = pred + "/" + scoring + "/" + agg + "/shared/b" + std::to_string(block) + "/" +
+                  std::to_string(budget);
+  if (target_mass != 0) {
+    char t[32];
+    std::snprintf(t, sizeof t, "/t%g", static_cast<double>(target_mass));
+    n += t;
+  }
+  return n;
 }
 
 // The library predictors of one summary type, and its per-layer entries.
@@ -306,7 +312,8 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
           blocks.push_back(b);
         }
       } else {
-        const oasiskv::selection_params sp{std::max(sparse->budget / bt, 2u), 1, 1};
+        const oasiskv::selection_params sp{std::max(sparse->budget / bt, 2u), 1, 1,
+                                           sparse->target_mass};
         if (sparse->pred == "recency") {
           ss->recency.resize(nb);
           for (std::uint32_t b = 0; b < nb; ++b) {
@@ -334,6 +341,8 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
           }
           blocks.assign(ss->sel.blocks.begin(), ss->sel.blocks.end());
         }
+        res.selected_blocks += blocks.size();
+        ++res.selections;
       }
       if (ss != nullptr) {  // blocks (ascending) new since this layer's previous step
         std::vector<std::uint32_t>& last = last_blocks[l];

@@ -26,6 +26,10 @@ struct sparse_config {
   std::string agg = "max";          // max mass conf
   std::string scoring = "summary";  // summary (min/max f16), qminmax (int8 min/max), int8, int4
   std::uint32_t budget = 1024, block = 16;
+  // 0: every (step, layer) takes `budget` tokens of blocks; in (0, 1]: an adaptive budget, the
+  // fewest blocks covering that share of the predicted mass, `budget` on average (the
+  // predictor's ledger spans the run's layers and steps; selection_params::target_mass).
+  float target_mass = 0;
   std::string name() const;
 };
 
@@ -37,6 +41,9 @@ struct run_result {
   // Sparse runs: blocks each (step, layer) attends that the same layer's previous step did
   // not, and all blocks attended after the first step: what a prefetcher must move per step.
   std::uint64_t churn_new = 0, churn_all = 0;
+  // Sparse runs: blocks attended over the (step, layer)s that attended a prediction, and how
+  // many those were (the mean compares fixed and adaptive budgets at equal cost).
+  std::uint64_t selected_blocks = 0, selections = 0;
 };
 
 class runner {
