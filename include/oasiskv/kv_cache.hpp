@@ -153,6 +153,27 @@ class tiered_kv_cache {
                     " slots cannot stage one selection of ", budget,
                     " blocks plus the block being appended to");
     }
+    const float target = options_.target_mass;
+    if (target != 0.0f) {
+      if (!(target > 0.0f && target <= 1.0f)) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "tiered_kv_cache: target_mass = ", target,
+                      " must be 0 (the fixed budget) or in (0, 1]");
+      }
+      // The default cap: twice the budget (what `admission` plans for), within what the fast
+      // tier can stage beside the block being appended to.
+      block_cap_ = options_.max_selected_blocks != 0
+                       ? options_.max_selected_blocks
+                       : std::min<std::uint32_t>(2 * budget, fast_.num_slots() - 1);
+      if (block_cap_ < budget) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "tiered_kv_cache: max_selected_blocks = ", block_cap_,
+                      " is below the budget of ", budget, " blocks");
+      }
+      if (std::uint64_t{block_cap_} + 1 > fast_.num_slots()) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "tiered_kv_cache: the fast tier's ",
+                      fast_.num_slots(), " slots cannot stage a selection of up to ", block_cap_,
+                      " blocks (max_selected_blocks) plus the block being appended to");
+      }
+    }
   }
 
   const kv_layout& layout() const noexcept { return layout_; }
@@ -473,7 +494,10 @@ class tiered_kv_cache {
     if constexpr (has_summary) {
       summary_bytes = entries_.summaries().bytes_per_block();
     }
-    const std::uint64_t staged = std::min<std::uint64_t>(blocks, 2ull * budget_blocks());
+    // Double-buffered: two selections of the budget; an adaptive budget averages the budget
+    // but a table may take up to its cap.
+    const std::uint64_t staged = std::min<std::uint64_t>(
+        blocks, std::max<std::uint64_t>(2ull * budget_blocks(), block_cap_));
     r.oasis_bytes_per_sequence =
         layout_.num_layers * (staged * layout_.block_bytes() + blocks * summary_bytes);
     r.dense_sequences = fast_bytes / std::max<std::uint64_t>(1, r.dense_bytes_per_sequence);
@@ -619,7 +643,8 @@ class tiered_kv_cache {
       in.keys = slow_.view();
       in.key_slots = ls.blocks;
     }
-    const selection_params sp{budget_blocks(), options_.sink_blocks, options_.recent_blocks};
+    const selection_params sp{budget_blocks(), options_.sink_blocks, options_.recent_blocks,
+                              options_.target_mass, block_cap_};
     const auto start = std::chrono::steady_clock::now();
     predictor_.select(in, sp, out);
     stats_.predict_seconds +=
@@ -724,6 +749,7 @@ class tiered_kv_cache {
   std::vector<slot_id> sources_;
   cache_stats stats_{};
   std::uint32_t read_only_slots_ = 0;
+  std::uint32_t block_cap_ = 0;  // adaptive budgets: the most blocks a table takes; else 0
 };
 
 }  // namespace oasiskv

@@ -22,6 +22,14 @@ struct cache_options {
   std::uint32_t max_evictions_per_step = std::numeric_limits<std::uint32_t>::max();
   std::uint64_t max_tokens_per_sequence = std::uint64_t{1} << 20;
   float scale = 0.0f;  //!< softmax scale; 0 means 1 / sqrt(head_dim)
+  //! Adaptive budget (`selection_params::target_mass`): 0, every table takes `budget_tokens`;
+  //! in (0, 1], each table takes the fewest blocks covering that share of the predicted
+  //! attention mass, `budget_tokens` per table on average over the predictor's calls.
+  float target_mass = 0.0f;
+  //! With an adaptive budget, the most blocks one table may take; 0 means
+  //! `min(2 * budget blocks, fast-tier slots - 1)`. At least the budget's blocks, and one below
+  //! the fast tier's slots.
+  std::uint32_t max_selected_blocks = 0;
 };
 
 //! @brief Totals since construction. `step` sums every `acquire`: hits and misses of the blocks

@@ -134,11 +134,13 @@ void full_budget_equals_dense() {
 }
 
 // The table the cache should attend for (s, layer), computed without it: a fresh summary of
-// every block from the capacity tier, a fresh predictor, the same queries, then the sinks and
-// the recent window of the current length added to each table (sorted, unique).
+// every block from the capacity tier, the test's own predictor `p` (its only state is an
+// adaptive budget's ledger, which sees the same calls in the same order as the cache's), the
+// same queries and selection_params `sp`, then the sinks and the recent window of the current
+// length added to each table (sorted, unique).
 template <class Predictor, class Cache>
 selection expected_selection(Cache& c, sequence_id s, std::uint32_t layer, query_view queries,
-                             const cache_options& o) {
+                             const cache_options& o, Predictor& p, const selection_params& sp) {
   using summary = typename Predictor::summary_type;
   const auto slots = c.block_slots(s, layer);
   const std::uint32_t len = c.length(s, layer);
@@ -162,9 +164,8 @@ selection expected_selection(Cache& c, sequence_id s, std::uint32_t layer, query
   in.queries = queries;
   in.keys = c.capacity_tier().view();
   in.key_slots = slots;
-  Predictor p;
   selection sel;
-  p.select(in, {o.budget_tokens / layout.tokens_per_block, o.sink_blocks, o.recent_blocks}, sel);
+  p.select(in, sp, sel);
   selection full;
   full.tables = sel.tables;
   full.offsets.assign(1, 0);
@@ -184,16 +185,26 @@ selection expected_selection(Cache& c, sequence_id s, std::uint32_t layer, query
   return full;
 }
 
+// `target_mass` > 0: an adaptive budget, its cap the cache's default (twice the budget: the
+// fast tier's 64 slots hold it), the expected selections from one predictor whose ledger
+// follows the cache's.
 template <class Predictor, class Scheduler, class Kernel>
-void small_budget_equals_reference_over_selection() {
+void small_budget_equals_reference_over_selection(float target_mass = 0.0f) {
   using B = bundle<Predictor, Scheduler, Kernel>;
+  CAPTURE(target_mass);
   for (const std::uint32_t budget_blocks : {3u, 6u, 12u}) {  // 1/8, 1/4, 1/2 of ~24 blocks
     CAPTURE(budget_blocks);
     std::mt19937 rng(55 + budget_blocks);
     const cache_options o{.budget_tokens = budget_blocks * layout.tokens_per_block,
                           .sink_blocks = 1,
                           .recent_blocks = 1,
-                          .scale = scale};
+                          .scale = scale,
+                          .target_mass = target_mass};
+    const selection_params sp{budget_blocks, o.sink_blocks, o.recent_blocks, target_mass,
+                              target_mass != 0.0f ? 2 * budget_blocks : 0};
+    const std::uint32_t cap = target_mass != 0.0f ? 2 * budget_blocks : budget_blocks;
+    Predictor expect;
+    std::uint64_t taken = 0, tables = 0;
     tiered_kv_cache<B> cache(host_tier(layout, 128), host_tier(layout, 64), o);
     const sequence_id s = cache.add_sequence();
     append_all_layers(cache, s, 90, rng);  // 23 blocks
@@ -210,7 +221,7 @@ void small_budget_equals_reference_over_selection() {
         const query_view step_q{q.data(), nullptr, q_len};
         const selection want = expected_selection<Predictor>(
             cache, s, l, Predictor::timing == prediction_timing::lookahead ? lookahead_q : step_q,
-            o);
+            o, expect, sp);
         std::vector<float> out(q.size()), lse(q_len * layout.num_q_heads);
         const sequence_id one[1] = {s};
         attended_blocks got;
@@ -224,8 +235,12 @@ void small_budget_equals_reference_over_selection() {
           std::sort(table.begin(), table.end());
           const std::vector<std::uint32_t> expected(want.table(t).begin(), want.table(t).end());
           CHECK(table == expected);
-          CHECK(table.size() <= std::size_t{budget_blocks} + o.sink_blocks + o.recent_blocks);
-          CHECK(table.size() < n);  // a real selection, not the whole context
+          CHECK(table.size() <= std::size_t{cap} + o.sink_blocks + o.recent_blocks);
+          if (target_mass == 0.0f) {
+            CHECK(table.size() < n);  // a real selection, not the whole context
+          }
+          taken += table.size();
+          ++tables;
         }
         std::vector<float> ref(q.size()), ref_lse(lse.size());
         reference_over(cache, s, l, got.blocks, got.tables_per_seq, got.offsets, q.data(), q_len,
@@ -235,6 +250,8 @@ void small_budget_equals_reference_over_selection() {
       }
     }
     CHECK(cache.audit() > 0);
+    // On average within the budget (plus the window a late lookahead adds: one block here).
+    CHECK(taken <= tables * (std::uint64_t{budget_blocks} + 1));
   }
 }
 
@@ -307,6 +324,13 @@ void small_budget_for_all(type_list<Ps...>) {
 template <class S, bool EveryPredictor = full_cross>
 void run_scheduler_suite() {
   using default_lookahead = lookahead_predictor<minmax_summary<>>;
+  // Adaptive budgets through every scheduler: softmax mass, and max aggregation per KV head
+  // (its logits' softmax), and the oracle's exact mass.
+  small_budget_equals_reference_over_selection<default_lookahead, S, cpu::sparse_decode>(0.9f);
+  small_budget_equals_reference_over_selection<
+      lookahead_predictor<int8_key_summary, max_aggregation, per_kv_head_selection>, S,
+      cpu::sparse_decode>(0.95f);
+  small_budget_equals_reference_over_selection<oracle_predictor<>, S, cpu::sparse_decode>(0.8f);
   if constexpr (full_cross) {
     full_budget_equals_dense_for_all<S, cpu::sparse_decode>(predictors{});
     full_budget_equals_dense_for_all<S, reference_decode>(predictors{});

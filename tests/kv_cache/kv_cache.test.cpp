@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <span>
 #include <string>
@@ -229,6 +230,33 @@ TEST_CASE("tiered_kv_cache: bad input") {
   expect_error([] { C c(host_tier(tiny, 8), host_tier(tiny, 4), {.budget_tokens = 16}); },
                errc::invalid_argument,
                "fast tier's 4 slots cannot stage one selection of 4 blocks");
+  // Adaptive budgets: a target in (0, 1], a cap of at least the budget that the fast tier holds.
+  expect_error(
+      [] {
+        C c(host_tier(tiny, 8), host_tier(tiny, 8), {.budget_tokens = 16, .target_mass = 1.5f});
+      },
+      errc::invalid_argument, "target_mass = 1.5 must be 0");
+  expect_error(
+      [] {
+        C c(host_tier(tiny, 8), host_tier(tiny, 8),
+            {.budget_tokens = 16, .target_mass = std::numeric_limits<float>::quiet_NaN()});
+      },
+      errc::invalid_argument, "target_mass = nan");
+  expect_error(
+      [] {
+        C c(host_tier(tiny, 8), host_tier(tiny, 8),
+            {.budget_tokens = 16, .target_mass = 0.9f, .max_selected_blocks = 3});
+      },
+      errc::invalid_argument, "max_selected_blocks = 3 is below the budget of 4 blocks");
+  expect_error(
+      [] {
+        C c(host_tier(tiny, 8), host_tier(tiny, 8),
+            {.budget_tokens = 16, .target_mass = 0.9f, .max_selected_blocks = 8});
+      },
+      errc::invalid_argument, "fast tier's 8 slots cannot stage a selection of up to 8 blocks");
+  {  // the default cap: twice the budget, within the fast tier
+    C fits(host_tier(tiny, 8), host_tier(tiny, 6), {.budget_tokens = 16, .target_mass = 0.9f});
+  }
   const kv_layout other{2, 4, 2, 16, 4, dtype::f16};
   expect_error([&] { C c(host_tier(tiny, 8), host_tier(other, 8), {.budget_tokens = 16}); },
                errc::layout_mismatch, "layouts differ");

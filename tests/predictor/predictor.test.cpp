@@ -242,6 +242,27 @@ TEST_CASE_TEMPLATE("importance predictor: bad input names the value", P, OASISKV
   auto in = w.input();
   expect_error([&] { p.select(in, {2, 2, 1}, s); }, errc::invalid_argument, "budget_blocks = 2");
   expect_error([&] { p.select(in, {2, 2, 0}, s); }, errc::invalid_argument, "budget_blocks = 2");
+  // Adaptive budgets: a target share in (0, 1], a cap of at least the budget.
+  expect_error(
+      [&] {
+        p.select(in, {4, 1, 1, 1.5f}, s);
+      },
+      errc::invalid_argument, "target_mass = 1.5 must be 0");
+  expect_error(
+      [&] {
+        p.select(in, {4, 1, 1, -0.25f}, s);
+      },
+      errc::invalid_argument, "target_mass = -0.25");
+  expect_error(
+      [&] {
+        p.select(in, {4, 1, 1, std::numeric_limits<float>::quiet_NaN()}, s);
+      },
+      errc::invalid_argument, "target_mass = nan");
+  expect_error(
+      [&] {
+        p.select(in, {4, 1, 1, 0.9f, 3}, s);
+      },
+      errc::invalid_argument, "max_blocks = 3 is below budget_blocks = 4");
   in.seq_len = 0;
   expect_error([&] { p.select(in, ok, s); }, errc::invalid_argument, "seq_len is 0");
   in = w.input();
@@ -696,6 +717,253 @@ TEST_CASE_TEMPLATE("faster summaries select what the exact f32 min/max bound sel
             ", kv head 1 ", agree[2]);
     for (const double a : agree) {
       CHECK(a >= (clustered ? clustered_floor : uniform_floor));
+    }
+  }
+}
+
+namespace {
+
+// The adaptive budget's model, independent of block_selector: masses sorted in full, the
+// ledger kept here.
+struct adaptive_model {
+  std::uint64_t credit = 0;
+
+  std::vector<std::uint32_t> select(const std::vector<float>& mass, const selection_params& sp) {
+    const auto n = static_cast<std::uint32_t>(mass.size());
+    const std::uint32_t sinks = std::min(sp.sink_blocks, n);
+    const std::uint32_t recent = std::min(std::max(sp.recent_blocks, 1u), n - sinks);
+    const std::uint32_t cap = sp.max_blocks != 0 ? sp.max_blocks : 2 * sp.budget_blocks;
+    const std::uint64_t limit =
+        std::min<std::uint64_t>({cap, std::uint64_t{sp.budget_blocks} + credit, n});
+    std::vector<std::uint32_t> chosen;
+    double total = 0.0, covered = 0.0;
+    std::vector<std::uint32_t> cand;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      const bool kept = i < sinks || i >= n - recent;
+      const double m = std::isnan(mass[i]) ? 0.0 : std::max(0.0, double{mass[i]});
+      total += m;
+      if (kept) {
+        chosen.push_back(i);
+        covered += m;
+      } else {
+        cand.push_back(i);
+      }
+    }
+    // NaN first, then by mass, ties to the lower index.
+    auto key = [&](std::uint32_t i) {
+      return std::isnan(mass[i]) ? std::numeric_limits<double>::infinity() : double{mass[i]};
+    };
+    std::stable_sort(cand.begin(), cand.end(),
+                     [&](std::uint32_t a, std::uint32_t b) { return key(a) > key(b); });
+    const double goal = double{sp.target_mass} * total;
+    for (std::uint32_t i : cand) {
+      if (chosen.size() >= limit) {
+        break;
+      }
+      const bool needed = std::isnan(mass[i]) || (covered < goal && mass[i] > 0.0f);
+      if (!needed) {
+        break;
+      }
+      chosen.push_back(i);
+      covered += std::isnan(mass[i]) ? 0.0 : double{mass[i]};
+    }
+    std::sort(chosen.begin(), chosen.end());
+    credit = std::min<std::uint64_t>(
+        credit + sp.budget_blocks - chosen.size(),
+        std::uint64_t{block_selector::max_credit_budgets} * sp.budget_blocks);
+    return chosen;
+  }
+};
+
+// A table whose mass sits in one block (peaked) or spreads evenly (diffuse), with noise.
+std::vector<float> mass_table(std::uint32_t n, bool peaked, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(0.5f, 1.0f);
+  std::vector<float> m(n);
+  for (float& x : m) {
+    x = peaked ? 1e-4f * u(rng) : u(rng);
+  }
+  if (peaked) {
+    m[std::uniform_int_distribution<std::uint32_t>(0, n - 1)(rng)] = 1.0f;
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("adaptive budget: the fewest blocks covering the target share, as a full sort says") {
+  for (const cpu_isa isa : {cpu_isa::scalar, cpu_isa::avx2, cpu_isa::avx512}) {
+    if (!isa_supported(isa)) {
+      continue;
+    }
+    CAPTURE(to_string(isa));
+    std::mt19937 rng(31);
+    for (const float target : {0.5f, 0.9f, 0.98f, 1.0f}) {
+      for (const selection_params base :
+           {selection_params{4, 1, 1}, selection_params{8, 2, 3}, selection_params{6, 0, 1},
+            selection_params{5, 1, 1, 0.0f, 7}}) {
+        selection_params sp = base;
+        sp.target_mass = target;
+        CAPTURE(target);
+        CAPTURE(sp.budget_blocks);
+        CAPTURE(sp.max_blocks);
+        block_selector sel{isa};
+        adaptive_model model;
+        std::uint64_t taken = 0, calls = 0;
+        for (int call = 0; call < 60; ++call) {
+          const std::uint32_t n = std::uniform_int_distribution<std::uint32_t>(1, 90)(rng);
+          std::vector<float> mass;
+          const int kind = call % 4;
+          if (kind < 2) {
+            mass = mass_table(n, kind == 0, rng);
+          } else {  // random, with zeros, negatives (no mass), ties and the odd NaN
+            std::uniform_int_distribution<int> pick(0, 40);
+            mass.resize(n);
+            for (float& x : mass) {
+              const int r = pick(rng);
+              x = r == 0   ? std::numeric_limits<float>::quiet_NaN()
+                  : r < 4  ? 0.0f
+                  : r < 6  ? -1.0f
+                  : r < 10 ? 0.25f
+                           : std::exponential_distribution<float>(2.0f)(rng);
+            }
+          }
+          CAPTURE(call);
+          CAPTURE(n);
+          std::vector<std::uint32_t> got;
+          sel.append_table(mass.data(), n, sp, got);
+          const std::vector<std::uint32_t> want = model.select(mass, sp);
+          CHECK(got == want);
+          CHECK(sel.credit() == model.credit);
+          CHECK(got.size() <= sp.block_cap());
+          taken += got.size();
+          ++calls;
+        }
+        // The ledger: the mean never exceeds the budget.
+        CHECK(taken <= calls * sp.budget_blocks);
+      }
+    }
+  }
+}
+
+TEST_CASE("adaptive budget: peaked tables take fewer blocks than the budget, diffuse ones more") {
+  std::mt19937 rng(5);
+  const selection_params sp{8, 1, 1, 0.9f};
+  block_selector sel;
+  const std::vector<float> peaked = mass_table(64, true, rng);
+  std::vector<std::uint32_t> out;
+  sel.append_table(peaked.data(), 64, sp, out);
+  CHECK(out.size() < sp.budget_blocks);
+  CHECK(out.size() <= 3);  // the sink, the recent block and the peak
+  CHECK(sel.credit() == sp.budget_blocks - out.size());
+  // The credit lets a diffuse table take more than the budget, up to the cap.
+  const std::vector<float> diffuse = mass_table(64, false, rng);
+  std::uint32_t more = 0;
+  for (int i = 0; i < 3; ++i) {
+    out.clear();
+    sel.append_table(peaked.data(), 64, sp, out);
+  }
+  out.clear();
+  sel.append_table(diffuse.data(), 64, sp, out);
+  more = static_cast<std::uint32_t>(out.size());
+  CHECK(more > sp.budget_blocks);
+  CHECK(more == sp.block_cap());  // 90% of an even spread needs far more than 16 blocks
+  // Without credit a diffuse table takes the budget, never more.
+  block_selector fresh;
+  out.clear();
+  fresh.append_table(diffuse.data(), 64, sp, out);
+  CHECK(out.size() == sp.budget_blocks);
+  CHECK(fresh.credit() == 0);
+}
+
+TEST_CASE("adaptive budget: the ledger's mean tracks the budget over many tables") {
+  std::mt19937 rng(77);
+  const selection_params sp{16, 1, 2, 0.95f, 64};  // a diffuse table spends a pair's credit
+  block_selector sel;
+  std::uint64_t taken = 0;
+  const int calls = 2000;
+  for (int i = 0; i < calls; ++i) {
+    const std::vector<float> m = mass_table(200, (i % 3) != 0, rng);  // 2 peaked : 1 diffuse
+    std::vector<std::uint32_t> out;
+    sel.append_table(m.data(), 200, sp, out);
+    taken += out.size();
+    REQUIRE(sel.credit() <= std::uint64_t{block_selector::max_credit_budgets} * sp.budget_blocks);
+  }
+  // Never above the budget on average, and the credit left is all that was not spent.
+  CHECK(taken <= std::uint64_t{calls} * sp.budget_blocks);
+  CHECK(taken + sel.credit() == std::uint64_t{calls} * sp.budget_blocks);
+  sel.reset_credit();
+  CHECK(sel.credit() == 0);
+}
+
+TEST_CASE("adaptive budget with max aggregation: the mass is a softmax of the logits") {
+  std::mt19937 rng(8);
+  std::normal_distribution<float> logit(0.0f, 4.0f);
+  const float scale = 0.125f;
+  for (const float target : {0.6f, 0.9f, 0.99f}) {
+    const selection_params sp{6, 1, 1, target};
+    block_selector by_logits, by_mass;
+    for (int call = 0; call < 40; ++call) {
+      const std::uint32_t n = 50;
+      std::vector<float> lg(n), mass(n);
+      for (float& x : lg) {
+        x = logit(rng);
+      }
+      const float top = *std::max_element(lg.begin(), lg.end());
+      for (std::uint32_t i = 0; i < n; ++i) {
+        mass[i] = std::exp(scale * (lg[i] - top));  // as the selector computes it
+      }
+      std::vector<std::uint32_t> a, b;
+      by_logits.append_table(lg.data(), n, sp, a, scale);
+      by_mass.append_table(mass.data(), n, sp, b);
+      CHECK(a == b);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("importance predictor: target_mass 0 is the fixed budget; adaptive invariants",
+                   P, OASISKV_PREDICTORS) {
+  using S = typename P::summary_type;
+  const kv_layout l{1, 8, 2, 16, 4, dtype::f16};
+  for (const std::uint32_t len : {3u, 64u, 203u}) {
+    world<S> w(l, len, 3, len + 11);
+    const std::uint32_t blocks = l.blocks_for(len);
+    const std::uint32_t tables = per_head<P> ? l.num_kv_heads : 1;
+    CAPTURE(len);
+    // target 0 with any cap: the same selection as without the new fields.
+    P fixed, capped;
+    selection a, b;
+    fixed.select(w.input(), {5, 1, 2}, a);
+    capped.select(w.input(), {5, 1, 2, 0.0f, 9}, b);
+    CHECK(a.blocks == b.blocks);
+    CHECK(a.offsets == b.offsets);
+    // Adaptive: ascending tables holding the kept blocks, never above the cap, the sum over
+    // the calls never above the budget's; no allocation in steady state.
+    for (const float target : {0.5f, 0.9f, 1.0f}) {
+      const selection_params sp{5, 1, 2, target, 8};
+      P p;
+      selection s;
+      std::uint64_t taken = 0, counted = 0;
+      for (int call = 0; call < 4; ++call) {
+        const long before = allocations.load();
+        p.select(w.input(), sp, s);
+        if (call >= 2) {
+          CHECK(allocations.load() - before == 0);
+        }
+        REQUIRE(s.tables == tables);
+        for (std::uint32_t t = 0; t < tables; ++t) {
+          const auto tab = s.table(t);
+          CHECK(tab.size() <= std::min(sp.block_cap(), blocks));
+          CHECK(tab.size() >= std::min(3u, blocks));
+          CHECK(std::adjacent_find(tab.begin(), tab.end(), std::greater_equal<>()) == tab.end());
+          CHECK(tab.front() == 0);
+          CHECK(tab.back() == blocks - 1);
+          taken += tab.size();
+          ++counted;
+        }
+      }
+      if constexpr (reads_queries<P>) {
+        CHECK(taken <= counted * sp.budget_blocks);
+      }
     }
   }
 }

@@ -11,7 +11,9 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -105,11 +107,12 @@ int main(int argc, char** argv) {
   app.add_option("--budgets", budgets, "budgets in tokens")->check(CLI::Range(1u, 1u << 24));
   app.add_option("--blocks", blocks, "block sizes in tokens")->check(CLI::Range(1u, 1u << 24));
   app.add_option("--e2e", e2e_specs,
-                 "sparse-in-the-loop runs, pred:agg:budget[:scoring[:factor]] (pred la1 la2 la4 "
-                 "prev cur recency; scoring summary (min/max f16, the default), qminmax (min/max "
-                 "in int8), int8 or int4 (key copies), cascade4 or cascade8 (qminmax picks "
-                 "factor x budget contenders, int4 / int8 keys score them; factor: "
-                 "--contender-factor unless given))");
+                 "sparse-in-the-loop runs, pred:agg:budget[:scoring[:factor][:tMASS]] (pred la1 "
+                 "la2 la4 prev cur recency; scoring summary (min/max f16, the default), qminmax "
+                 "(min/max in int8), int8 or int4 (key copies), cascade4 or cascade8 (qminmax "
+                 "picks factor x budget contenders, int4 / int8 keys score them; factor: "
+                 "--contender-factor unless given); tMASS, e.g. t0.9: an adaptive budget, the "
+                 "fewest blocks covering MASS of the predicted mass, budget on average)");
   app.add_option("--contender-factor", contender_factor,
                  "cascade4 / cascade8: contenders = ceil(factor x budget blocks) per KV head")
       ->check(CLI::Range(1.0f, 1.0e6f));
@@ -208,32 +211,7 @@ int main(int argc, char** argv) {
                              dense_ho.drafted ? double(dense_ho.accepted) / dense_ho.drafted : 0}};
     fmt::print(stderr, "dense held-out {:.1f} s\n", since(t1));
     for (const std::string& spec : e2e_specs) {
-      accuracy::sparse_config sc;
-      std::vector<std::string> parts;
-      for (std::size_t at = 0;;) {
-        const auto next = spec.find(':', at);
-        parts.push_back(spec.substr(at, next == std::string::npos ? next : next - at));
-        if (next == std::string::npos) {
-          break;
-        }
-        at = next + 1;
-      }
-      if (parts.size() < 3 || parts.size() > 5) {
-        mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring[:factor]]");
-      }
-      sc.pred = parts[0];
-      sc.agg = parts[1];
-      sc.budget = static_cast<std::uint32_t>(std::stoul(parts[2]));
-      if (parts.size() >= 4) {
-        sc.scoring = parts[3];
-      }
-      sc.contender_factor = contender_factor;
-      if (parts.size() == 5) {
-        if (sc.scoring.rfind("cascade", 0) != 0) {
-          mini_decoder::fail("--e2e '", spec, "': only cascade4 / cascade8 take a factor");
-        }
-        sc.contender_factor = std::stof(parts[4]);  // checked by cascade_params
-      }
+      accuracy::sparse_config sc = accuracy::parse_sparse_config(spec, contender_factor);
       sc.block = blocks.front();
       t1 = clock_type::now();
       const accuracy::run_result sg = r.forced(greedy.tokens, &sc);
@@ -255,11 +233,17 @@ int main(int argc, char** argv) {
       // previous step (what a prefetcher fetches per step; a cache holding only the last
       // selection would miss this share on demand).
       row["churn"] = sg.churn_all ? double(sg.churn_new) / double(sg.churn_all) : 0.0;
+      // Blocks attended per predicted (step, layer) on the greedy continuation and on the
+      // held-out text: fixed and adaptive budgets compare at equal means.
+      row["mean_blocks"] = sg.selections ? double(sg.selected_blocks) / sg.selections : 0.0;
+      row["mean_blocks_held_out"] =
+          sh.selections ? double(sh.selected_blocks) / sh.selections : 0.0;
+      row["target_mass"] = sc.target_mass;
       fmt::print(stderr,
                  "e2e {}: agreement {:.4f} (held-out {:.4f}), ppl {:.3f} vs dense {:.3f}, "
-                 "churn {:.4f} ({:.1f} s)\n",
+                 "churn {:.4f}, mean blocks {:.2f} (held-out {:.2f}) ({:.1f} s)\n",
                  sc.name(), row["agreement"], row["agreement_held_out"], ppl, ppl_dense,
-                 row["churn"], since(t1));
+                 row["churn"], row["mean_blocks"], row["mean_blocks_held_out"], since(t1));
     }
 
     fmt::print("{:<44} {:>9} {:>10} {:>10} {:>7} {:>10} {:>8}\n", "config", "agree_all",

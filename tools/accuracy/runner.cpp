@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <span>
@@ -28,8 +29,71 @@ std::string sparse_config::name() const {
     f << contender_factor;
     sc += "x" + f.str();
   }
-  return pred + "/" + sc + "/" + agg + "/shared/b" + std::to_string(block) + "/" +
-         std::to_string(budget);
+  std::string n = pred + "/" + sc + "/" + agg + "/shared/b" + std::to_string(block) + "/" +
+                  std::to_string(budget);
+  if (target_mass != 0) {
+    char t[32];
+    std::snprintf(t, sizeof t, "/t%g", static_cast<double>(target_mass));
+    n += t;
+  }
+  return n;
+}
+
+sparse_config parse_sparse_config(const std::string& spec, float default_factor) {
+  sparse_config sc;
+  std::vector<std::string> parts;
+  for (std::size_t at = 0;;) {
+    const auto next = spec.find(':', at);
+    parts.push_back(spec.substr(at, next == std::string::npos ? next : next - at));
+    if (next == std::string::npos) {
+      break;
+    }
+    at = next + 1;
+  }
+  if (parts.size() < 3 || parts.size() > 6) {
+    mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring[:factor][:tMASS]]");
+  }
+  sc.pred = parts[0];
+  sc.agg = parts[1];
+  char* end = nullptr;
+  const unsigned long budget = std::strtoul(parts[2].c_str(), &end, 10);
+  if (parts[2].empty() || *end != '\0' || budget == 0 || budget > (1ul << 24)) {
+    mini_decoder::fail("--e2e '", spec, "': budget '", parts[2], "' is not a token count");
+  }
+  sc.budget = static_cast<std::uint32_t>(budget);
+  if (parts.size() >= 4) {
+    sc.scoring = parts[3];
+  }
+  sc.contender_factor = default_factor;
+  const bool cascade = sc.scoring.rfind("cascade", 0) == 0;
+  for (std::size_t i = 4; i < parts.size(); ++i) {
+    const std::string& o = parts[i];
+    if (!o.empty() && o[0] == 't') {  // tMASS: an adaptive budget covering MASS of the mass
+      end = nullptr;
+      const float t =
+          o.size() > 1 ? std::strtof(o.c_str() + 1, &end) : std::numeric_limits<float>::quiet_NaN();
+      if (end == nullptr || *end != '\0' || !(t > 0.0f && t <= 1.0f)) {
+        mini_decoder::fail("--e2e '", spec, "': '", o,
+                           "' is not tMASS with MASS in (0, 1], e.g. t0.9");
+      }
+      if (sc.pred == "recency") {
+        mini_decoder::fail("--e2e '", spec, "': recency has no mass to cover");
+      }
+      sc.target_mass = t;
+    } else {
+      if (!cascade) {
+        mini_decoder::fail("--e2e '", spec, "': only cascade4 / cascade8 take a factor ('", o,
+                           "')");
+      }
+      end = nullptr;
+      const float f = std::strtof(o.c_str(), &end);
+      if (o.empty() || *end != '\0') {
+        mini_decoder::fail("--e2e '", spec, "': factor '", o, "' is not a number");
+      }
+      sc.contender_factor = f;  // checked by cascade_params
+    }
+  }
+  return sc;
 }
 
 // The library predictors of one summary type, and its per-layer entries.
@@ -330,7 +394,8 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
           blocks.push_back(b);
         }
       } else {
-        const oasiskv::selection_params sp{std::max(sparse->budget / bt, 2u), 1, 1};
+        const oasiskv::selection_params sp{std::max(sparse->budget / bt, 2u), 1, 1,
+                                           sparse->target_mass};
         if (sparse->pred == "recency") {
           ss->recency.resize(nb);
           for (std::uint32_t b = 0; b < nb; ++b) {
@@ -362,6 +427,8 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
           }
           blocks.assign(ss->sel.blocks.begin(), ss->sel.blocks.end());
         }
+        res.selected_blocks += blocks.size();
+        ++res.selections;
       }
       if (ss != nullptr) {  // blocks (ascending) new since this layer's previous step
         std::vector<std::uint32_t>& last = last_blocks[l];

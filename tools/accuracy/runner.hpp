@@ -32,8 +32,17 @@ struct sparse_config {
   float contender_factor = oasiskv::cascade_params{}.contender_factor;  // cascade4 / cascade8
   //! pred/scoring/agg/shared/bT/budget; a cascade's scoring also names its factor
   //! (`cascade4x2`).
+  // 0: every (step, layer) takes `budget` tokens of blocks; in (0, 1]: an adaptive budget, the
+  // fewest blocks covering that share of the predicted mass, `budget` on average (the
+  // predictor's ledger spans the run's layers and steps; selection_params::target_mass).
+  float target_mass = 0;
   std::string name() const;
 };
+
+//! Parses an `--e2e` spec, `pred:agg:budget[:scoring[:factor][:tMASS]]`: a cascade scoring may
+//! name its contender factor (else `default_factor`), and `tMASS` (e.g. `t0.9`) asks for an
+//! adaptive budget covering MASS of the predicted mass. Fails with the spec named.
+sparse_config parse_sparse_config(const std::string& spec, float default_factor);
 
 struct run_result {
   std::vector<int> tokens;  // the committed tokens x_0 .. x_{N-1}
@@ -43,6 +52,9 @@ struct run_result {
   // Sparse runs: blocks each (step, layer) attends that the same layer's previous step did
   // not, and all blocks attended after the first step: what a prefetcher must move per step.
   std::uint64_t churn_new = 0, churn_all = 0;
+  // Sparse runs: blocks attended over the (step, layer)s that attended a prediction, and how
+  // many those were (the mean compares fixed and adaptive budgets at equal cost).
+  std::uint64_t selected_blocks = 0, selections = 0;
 };
 
 class runner {

@@ -27,7 +27,9 @@ concept predictor_summary = block_summary<S> || std::same_as<S, no_summary>;
 //!   and the partial last block; the rest are the highest-scoring blocks (ties to the lower index).
 //!   A budget below `sink_blocks + recent_blocks`, or queries whose shape does not match
 //!   `in.layout`, throw `oasiskv::error`. O(blocks x (scoring cost)) plus O(blocks) for the top-k
-//!   (a selection, not a sort).
+//!   (a selection, not a sort). With `sp.target_mass > 0` (an adaptive budget) a predictor
+//!   with per-block scores may take fewer or more blocks per table, at most `sp.block_cap()`,
+//!   and at most `budget_blocks` per table on average over its calls (`block_selector`).
 template <class P>
 concept importance_predictor = predictor_summary<typename P::summary_type> &&
     std::convertible_to<decltype(P::timing), prediction_timing> &&

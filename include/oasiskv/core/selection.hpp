@@ -22,10 +22,27 @@ struct query_view {
 };
 
 //! @brief How many blocks a selection may hold and which it must always hold.
+//!
+//! With `target_mass == 0` every table takes `budget_blocks` (the fixed budget). With
+//! `0 < target_mass <= 1` (an adaptive budget) a table takes the fewest blocks whose predicted
+//! attention mass covers `target_mass` of the table's total, the kept blocks included, within a
+//! ledger that keeps the mean per table at most `budget_blocks` (see `block_selector`); a table
+//! never takes more than `max_blocks`. Predictors without per-block scores (recency, and the
+//! device `topk_selector`) take the fixed budget.
 struct selection_params {
   std::uint32_t budget_blocks = 0;  //!< total blocks per table, kept ones included
   std::uint32_t sink_blocks = 1;    //!< the first blocks (attention sinks), always kept
   std::uint32_t recent_blocks = 1;  //!< the last blocks (recent window, partial block), always kept
+  //! 0: the fixed budget; in (0, 1]: the share of the predicted mass a table covers.
+  float target_mass = 0.0f;
+  //! The most blocks one table may take with an adaptive budget; 0 means `2 * budget_blocks`.
+  //! At least `budget_blocks`.
+  std::uint32_t max_blocks = 0;
+
+  //! @brief The cap in effect: `max_blocks`, or `2 * budget_blocks` when it is 0.
+  std::uint32_t block_cap() const noexcept {
+    return max_blocks != 0 ? max_blocks : 2 * budget_blocks;
+  }
 };
 
 //! @brief The blocks chosen for one (sequence, layer): one table shared by every KV head, or one

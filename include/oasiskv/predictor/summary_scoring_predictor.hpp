@@ -76,7 +76,10 @@ class summary_scoring_predictor {
     out.offsets.resize(tables + 1);
     out.offsets[0] = 0;
     for (std::uint32_t t = 0; t < tables; ++t) {
-      selector_.append_table(acc_.data() + std::size_t{t} * blocks, blocks, sp, out.blocks);
+      // A mass aggregation's scores are masses; max_aggregation's are logits (adaptive budgets
+      // take their softmax at the attention scale).
+      selector_.append_table(acc_.data() + std::size_t{t} * blocks, blocks, sp, out.blocks,
+                             mass_aggregation<Aggregation> ? 0.0f : ctx.scale);
       out.offsets[t + 1] = static_cast<std::uint32_t>(out.blocks.size());
     }
   }
