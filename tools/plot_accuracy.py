@@ -6,6 +6,7 @@ predictor (16-token blocks, one selection shared by the KV heads, the aggregatio
 
     python3 tools/plot_accuracy.py RESULTS.json --out-dir docs/accuracy [--agg mass] [--block 16]
     python3 tools/plot_accuracy.py RESULTS.json --markdown      # the tables of docs/accuracy.md
+    python3 tools/plot_accuracy.py NEEDLE.json [--out-dir D]     # --task needle / agree: table
 """
 import argparse
 import json
@@ -99,6 +100,70 @@ def markdown(doc, agg, block, gran):
             print(fmt_row([k[4:]] + cells))
 
 
+def plot_needle(doc, out_dir):
+    """--task needle: success rate by depth, one line per configuration, one PNG per context
+    (needle-<context>.png); prints the per-context table."""
+    by = {}  # context -> config -> depth -> [successes]
+    for case in doc["cases"]:
+        for cfg, ans in case["answers"].items():
+            d = by.setdefault(case["context"], {}).setdefault(cfg, {})
+            d.setdefault(case["depth"], []).append(1.0 if ans["success"] else 0.0)
+    print(fmt_row(["context", "configuration", "success", "lost (dense ok)", "answers = dense"]))
+    print(fmt_row(["---"] * 5))
+    for key, row in sorted(doc["results"].items()):
+        _, ctx, cfg = key.split("/", 2)
+        print(fmt_row([ctx, cfg, f"{row['success']:.3f}", f"{row.get('lost', 0):.0f}",
+                       f"{row.get('match_dense', 1):.3f}"]))
+    if out_dir is None:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    for ctx, cfgs in sorted(by.items()):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for i, (cfg, depths) in enumerate(sorted(cfgs.items())):
+            xs = sorted(depths)
+            ys = [sum(depths[x]) / len(depths[x]) for x in xs]
+            ax.plot(xs, ys, "-" if cfg == "dense" else "--", marker="o", label=cfg,
+                    alpha=0.8, markersize=7 - i)
+        ax.set_xlabel("needle depth")
+        ax.set_ylabel("success rate")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"needle retrieval, {doc['model']}, context {ctx}, "
+                     f"{doc['haystack']} haystack", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"needle-{ctx}.png"), dpi=110)
+        plt.close(fig)
+
+
+def plot_agree(doc, out_dir):
+    """--task agree: tokens before the first divergence from dense and the share of identical
+    continuations per configuration (noise baselines first); agree.png and the table."""
+    rows = sorted(doc["results"].items(), key=lambda kv: (not kv[0].startswith("agree/noise"),
+                                                          kv[0]))
+    print(fmt_row(["configuration", "mean tokens before divergence", "identical", "min"]))
+    print(fmt_row(["---"] * 4))
+    for key, row in rows:
+        print(fmt_row([key[len("agree/"):], f"{row['mean_prefix']:.2f} / {doc['decode']}",
+                       f"{row['identical']:.3f}", f"{row['min_prefix']:.0f}"]))
+    if out_dir is None:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    names = [k[len("agree/"):] for k, _ in rows]
+    ax.barh(names, [r["mean_prefix"] for _, r in rows],
+            color=["grey" if n.startswith("noise") else "tab:blue" for n in names])
+    ax.set_xlim(0, doc["decode"])
+    ax.set_xlabel(f"mean tokens before the first divergence from dense (of {doc['decode']})")
+    ax.set_title(f"free-running agreement, {doc['model']}, context {doc['context']}, "
+                 f"{doc['prompts']} prompts", fontsize=9)
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "agree.png"), dpi=110)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json", nargs="+",
@@ -109,6 +174,10 @@ def main():
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--gran", default="shared")
     a = ap.parse_args()
+    first = json.load(open(a.json[0]))
+    if first.get("task") in ("needle", "agree"):  # accuracy --task: one file
+        (plot_needle if first["task"] == "needle" else plot_agree)(first, a.out_dir)
+        return
     doc = None
     for path in a.json:
         d = json.load(open(path))

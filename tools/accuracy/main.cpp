@@ -21,6 +21,7 @@
 #include "decoder.hpp"
 #include "evaluator.hpp"
 #include "runner.hpp"
+#include "tasks.hpp"
 
 namespace {
 
@@ -119,6 +120,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "write every figure here");
   app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");
   app.add_option("--seed", seed, "random predictor and sampled text");
+  accuracy::task_options task;
+  accuracy::add_task_options(app, task);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -135,6 +138,10 @@ int main(int argc, char** argv) {
     const auto t0 = clock_type::now();
     auto m = mini_decoder::load_model(model_path);
     const mini_decoder::model_config& c = m->config;
+    if (!task.task.empty()) {  // needle / agree: free-running tasks (tasks.hpp)
+      return accuracy::run_task(task, {m.get(), rope_scale, context, draft_len, blocks.front(),
+                                       seed, text_files, e2e_specs, expects, json_path});
+    }
     if (tokens + 2 > context) {
       mini_decoder::fail("--tokens ", tokens, " leaves no prompt in --context ", context);
     }

@@ -266,6 +266,13 @@ run_result runner::forced(const std::vector<int>& teacher, const sparse_config* 
   return loop(&teacher, static_cast<std::uint32_t>(teacher.size()), sparse, nullptr, 1);
 }
 
+run_result runner::greedy(std::uint32_t n, const sparse_config* sparse, bool reversed) {
+  reversed_ = reversed && sparse == nullptr;
+  run_result r = loop(nullptr, n, sparse, nullptr, 1);
+  reversed_ = false;
+  return r;
+}
+
 run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
                         const sparse_config* sparse, evaluator* ev, std::uint32_t eval_every) {
   const mini_decoder::model_config& c = m_.config;
@@ -393,6 +400,9 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
         for (std::uint32_t b = 0; b < nb; ++b) {
           blocks.push_back(b);
         }
+        if (reversed_) {
+          std::reverse(blocks.begin(), blocks.end());
+        }
       } else {
         const oasiskv::selection_params sp{std::max(sparse->budget / bt, 2u), 1, 1,
                                            sparse->target_mass};
@@ -457,7 +467,7 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
         const float* kg = Kl + off;
         const float* vg = Vl + off;
         int ld = static_cast<int>(kv_dim_);
-        if (m != len) {  // sparse: gather the selected positions
+        if (m != len || reversed_) {  // sparse (or reversed): gather the selected positions
           kgat.resize(std::size_t{m} * D);
           vgat.resize(kgat.size());
           std::size_t at = 0;

@@ -71,6 +71,10 @@ class runner {
   //! Teacher-forced: commits `teacher[i]` at step i, scores the model's prediction of
   //! `teacher[i+1]`. `sparse` null: dense attention.
   run_result forced(const std::vector<int>& teacher, const sparse_config* sparse);
+  //! Free-running greedy decoding of `n` tokens, dense (`sparse` null) or with block-sparse
+  //! attention in the loop. `reversed`: dense attention over the blocks in reverse order (the
+  //! same keys, another summation order): a noise baseline for the dense run.
+  run_result greedy(std::uint32_t n, const sparse_config* sparse, bool reversed = false);
   std::uint32_t prompt_tokens() const { return static_cast<std::uint32_t>(prompt_.size()); }
 
  private:
@@ -84,6 +88,7 @@ class runner {
   const mini_decoder::model& m_;
   mini_decoder::transformer tf_;
   std::uint32_t context_, draft_len_, draft_layers_, kv_dim_;
+  bool reversed_ = false;  // greedy(..., reversed): dense blocks attended last to first
   std::vector<float> draft_logits_, draft_scores_;
   std::vector<int> prompt_;
   std::vector<float> first_logits_;
