@@ -13,6 +13,7 @@
 #include "oasiskv/oasiskv.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/predictor/recency_predictor.hpp"
+#include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
@@ -75,6 +76,8 @@ decltype(auto) with_summary(summary_kind k, F&& f) {
       return f(std::type_identity<oasiskv::int8_key_summary>{});
     case summary_kind::int4:
       return f(std::type_identity<oasiskv::int4_key_summary>{});
+    case summary_kind::cascade:
+      return f(std::type_identity<oasiskv::qminmax_int4_cascade>{});
     case summary_kind::minmax:
       break;
   }

@@ -42,17 +42,19 @@ const char* to_string(summary_kind k) {
       return "int8";
     case summary_kind::int4:
       return "int4";
+    case summary_kind::cascade:
+      return "cascade";
   }
   return "?";
 }
 
 const char* summary_names() {
-  return "minmax|qminmax|int8|int4";
+  return "cascade|minmax|qminmax|int8|int4";
 }
 
 summary_kind parse_summary(const std::string& s) {
-  for (auto k :
-       {summary_kind::minmax, summary_kind::qminmax, summary_kind::int8, summary_kind::int4}) {
+  for (auto k : {summary_kind::minmax, summary_kind::qminmax, summary_kind::int8,
+                 summary_kind::int4, summary_kind::cascade}) {
     if (s == to_string(k)) {
       return k;
     }

@@ -20,14 +20,16 @@ attention_mode parse_mode(const std::string& s);  // throws decoder_error on an 
 
 //! The block summary the predicting modes (oasis, on-demand) score blocks with (`--summary`):
 //! min/max bounds in f16 (`minmax`) or int8 (`qminmax`), int8 or int4 copies of every key
-//! (`int8`, `int4`). Quest keeps the f16 bounds (its published form).
-enum class summary_kind : std::uint8_t { minmax, qminmax, int8, int4 };
+//! (`int8`, `int4`), or the two-stage `cascade` (`qminmax_int4_cascade`: the int8 bounds pick
+//! four times the budget in contenders, the int4 keys score those). Quest keeps the f16 bounds
+//! (its published form).
+enum class summary_kind : std::uint8_t { minmax, qminmax, int8, int4, cascade };
 const char* to_string(summary_kind k);
 summary_kind parse_summary(const std::string& s);  // throws decoder_error on an unknown name
 //! Every `summary_kind`'s name, '|'-separated (for help texts and errors).
 const char* summary_names();
-//! The default: the configuration with the best measured quality per resident byte.
-inline constexpr summary_kind default_summary = summary_kind::minmax;
+//! The default: the best measured quality (docs/accuracy.md) at a select() cost the CPU carries.
+inline constexpr summary_kind default_summary = summary_kind::cascade;
 
 struct cache_config {
   attention_mode mode = attention_mode::dense;

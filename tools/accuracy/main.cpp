@@ -139,8 +139,9 @@ int main(int argc, char** argv) {
     auto m = mini_decoder::load_model(model_path);
     const mini_decoder::model_config& c = m->config;
     if (!task.task.empty()) {  // needle / agree: free-running tasks (tasks.hpp)
-      return accuracy::run_task(task, {m.get(), rope_scale, context, draft_len, blocks.front(),
-                                       seed, text_files, e2e_specs, expects, json_path});
+      return accuracy::run_task(
+          task, {m.get(), rope_scale, context, draft_len, blocks.front(), seed, text_files,
+                 e2e_specs, expects, json_path, contender_factor});
     }
     if (tokens + 2 > context) {
       mini_decoder::fail("--tokens ", tokens, " leaves no prompt in --context ", context);

@@ -25,28 +25,10 @@ double since(clock_type::time_point t) {
 
 using results_map = std::map<std::string, std::map<std::string, double>>;
 
-// pred:agg:budget[:scoring], as --e2e takes it.
-sparse_config parse_spec(const std::string& spec, std::uint32_t block) {
-  std::vector<std::string> parts;
-  for (std::size_t at = 0;;) {
-    const auto next = spec.find(':', at);
-    parts.push_back(spec.substr(at, next == std::string::npos ? next : next - at));
-    if (next == std::string::npos) {
-      break;
-    }
-    at = next + 1;
-  }
-  if (parts.size() != 3 && parts.size() != 4) {
-    mini_decoder::fail("--e2e '", spec, "' is not pred:agg:budget[:scoring]");
-  }
-  sparse_config sc;
-  sc.pred = parts[0];
-  sc.agg = parts[1];
-  sc.budget = static_cast<std::uint32_t>(std::stoul(parts[2]));
-  if (parts.size() == 4) {
-    sc.scoring = parts[3];
-  }
-  sc.block = block;
+// An --e2e spec, parsed as the end-to-end runs parse it, at the task's block size.
+sparse_config parse_spec(const std::string& spec, const task_inputs& in) {
+  sparse_config sc = parse_sparse_config(spec, in.contender_factor);
+  sc.block = in.block;
   return sc;
 }
 
@@ -210,7 +192,7 @@ int run_needle(const task_options& o, const task_inputs& in) {
   }
   std::vector<sparse_config> configs;
   for (const std::string& s : in.e2e_specs) {
-    configs.push_back(parse_spec(s, in.block));
+    configs.push_back(parse_spec(s, in));
   }
   std::vector<double> depths;
   for (std::uint32_t d = 0; d < o.depths; ++d) {
@@ -397,7 +379,7 @@ int run_agree(const task_options& o, const task_inputs& in) {
   }
   std::vector<sparse_config> configs;
   for (const std::string& s : in.e2e_specs) {
-    configs.push_back(parse_spec(s, in.block));
+    configs.push_back(parse_spec(s, in));
   }
   for (const std::string& n : o.noise) {
     if (n != "order" && n != "f32act") {

@@ -39,6 +39,7 @@ struct task_inputs {
   std::uint64_t seed = 1;
   std::vector<std::string> text_files, e2e_specs, expects;
   std::string json_path;
+  float contender_factor = 4.0f;  //!< cascade scorings without a factor of their own
 };
 
 //! Runs `o.task`: prints its table, writes the JSON, checks the expectations; the exit status.
