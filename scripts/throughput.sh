@@ -7,7 +7,8 @@
 # writes them to a JSON and a plot (PNG beside it).
 #
 #   scripts/throughput.sh [--requests 16] [--prompt-tokens 8064] [--answer-tokens 128]
-#                         [--dense-sequences 4] [--budget 1024] [--threads N] [--out FILE]
+#                         [--dense-sequences 4] [--budget 1024] [--summary S] [--threads N]
+#                         [--out FILE]
 #
 # The prompts are windows of this repository's docs and headers (SmolLM2-135M, Q4_1). An 8k
 # prompt's prefill takes about a minute on one core, so the default run takes a while: most of
@@ -20,6 +21,7 @@ prompt_tokens=8064
 answer_tokens=128
 dense_sequences=4
 budget=1024
+summary=cascade
 threads=$(nproc 2>/dev/null || echo 1)
 out=build/throughput.json
 while [ $# -gt 0 ]; do
@@ -29,9 +31,10 @@ while [ $# -gt 0 ]; do
     --answer-tokens) answer_tokens=$2; shift 2 ;;
     --dense-sequences) dense_sequences=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
+    --summary) summary=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -50,7 +53,7 @@ for mode in dense oasis; do
     "(load average $(cut -d' ' -f1-3 /proc/loadavg))"
   "$bin" --model "$model" --prompt-file "$work/text" --throughput "$requests" \
     --throughput-prompt-tokens "$prompt_tokens" --max-tokens "$answer_tokens" --mode "$mode" \
-    --budget "$budget" --dense-sequences "$dense_sequences" --threads "$threads" \
+    --budget "$budget" --summary "$summary" --dense-sequences "$dense_sequences" --threads "$threads" \
     --attention-threads "$threads" >"$work/$mode.json"
 done
 
