@@ -51,25 +51,6 @@ std::vector<int> sampled_text(const mini_decoder::model& m, std::uint32_t want, 
   return out;
 }
 
-struct expectation {
-  std::string key, metric;
-  bool at_most = false;  // "<=" rather than ">="
-  double value = 0;
-};
-expectation parse_expect(const std::string& s) {  // "<config>:<metric>>=<value>" or "<="
-  const auto colon = s.rfind(':');
-  auto op = s.find(">=");
-  const bool at_most = op == std::string::npos;
-  if (at_most) {
-    op = s.find("<=");
-  }
-  if (colon == std::string::npos || op == std::string::npos || op < colon) {
-    mini_decoder::fail("--expect '", s, "' is not <config>:<metric>>=<value> (or <=)");
-  }
-  return {s.substr(0, colon), s.substr(colon + 1, op - colon - 1), at_most,
-          std::stod(s.substr(op + 2))};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -295,7 +276,7 @@ int main(int argc, char** argv) {
     }
     int failed = 0;
     for (const std::string& s : expects) {
-      const expectation e = parse_expect(s);
+      const accuracy::expectation e = accuracy::parse_expect(s);
       const auto it = results.find(e.key);
       if (it == results.end() || !it->second.contains(e.metric)) {
         fmt::print(stderr, "FAIL {}: no such figure\n", s);

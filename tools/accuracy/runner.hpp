@@ -44,6 +44,15 @@ struct sparse_config {
 //! adaptive budget covering MASS of the predicted mass. Fails with the spec named.
 sparse_config parse_sparse_config(const std::string& spec, float default_factor);
 
+//! One `--expect`, `<config>:<metric>>=<value>` (or `<=`).
+struct expectation {
+  std::string key, metric;
+  bool at_most = false;  // "<=" rather than ">="
+  double value = 0;
+};
+//! Parses an `--expect`; fails with it named.
+expectation parse_expect(const std::string& s);
+
 struct run_result {
   std::vector<int> tokens;  // the committed tokens x_0 .. x_{N-1}
   std::vector<int> argmax;  // the model's argmax after each committed token

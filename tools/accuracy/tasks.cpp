@@ -102,17 +102,10 @@ void write_results(std::ofstream& js, const results_map& results) {
 int check_expects(const results_map& results, const std::vector<std::string>& expects) {
   int failed = 0;
   for (const std::string& s : expects) {
-    const auto colon = s.rfind(':');
-    auto op = s.find(">=");
-    const bool at_most = op == std::string::npos;
-    if (at_most) {
-      op = s.find("<=");
-    }
-    if (colon == std::string::npos || op == std::string::npos || op < colon) {
-      mini_decoder::fail("--expect '", s, "' is not <config>:<metric>>=<value> (or <=)");
-    }
-    const std::string key = s.substr(0, colon), metric = s.substr(colon + 1, op - colon - 1);
-    const double want = std::stod(s.substr(op + 2));
+    const expectation e = parse_expect(s);
+    const std::string &key = e.key, &metric = e.metric;
+    const bool at_most = e.at_most;
+    const double want = e.value;
     const auto it = results.find(key);
     if (it == results.end() || !it->second.contains(metric)) {
       fmt::print(stderr, "FAIL {}: no such figure\n", s);
