@@ -28,6 +28,17 @@
 #define OASISKV_X86_KERNELS 0
 #endif
 
+//! @brief Stringizes its argument (for `OASISKV_UNROLL`).
+#define OASISKV_UNROLL_STR(x) #x
+//! @brief `#pragma GCC unroll n` where the compiler takes it; nothing in CUDA translation units
+//! (nvcc's front end rejects the pragma, and .cu files include the CPU kernels' headers through
+//! the predictors).
+#if defined(__CUDACC__)
+#define OASISKV_UNROLL(n)
+#else
+#define OASISKV_UNROLL(n) _Pragma(OASISKV_UNROLL_STR(GCC unroll n))
+#endif
+
 namespace oasiskv {
 
 //! @brief A code path of the CPU kernels. `best` picks the widest one the machine runs.

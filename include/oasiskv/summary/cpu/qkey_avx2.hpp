@@ -44,7 +44,7 @@ OASISKV_TARGET_AVX2 inline void qkey_group_avx2(const std::uint8_t* codes, std::
                                                 std::uint32_t d, const float* q, float* dots,
                                                 std::uint32_t tp) {
   __m256 acc[R][2];
-#pragma GCC unroll 4
+  OASISKV_UNROLL(4)
   for (int r = 0; r < R; ++r) {
     acc[r][0] = _mm256_setzero_ps();
     acc[r][1] = _mm256_setzero_ps();
@@ -52,14 +52,14 @@ OASISKV_TARGET_AVX2 inline void qkey_group_avx2(const std::uint8_t* codes, std::
   for (std::uint32_t x = 0; x < d; ++x) {
     __m256 lo, hi;
     qkey_widen16<Bits>(codes + std::size_t{x} * step, lo, hi);
-#pragma GCC unroll 4
+    OASISKV_UNROLL(4)
     for (int r = 0; r < R; ++r) {
       const __m256 qb = _mm256_set1_ps(q[static_cast<std::size_t>(r) * d + x]);
       acc[r][0] = _mm256_fmadd_ps(qb, lo, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(qb, hi, acc[r][1]);
     }
   }
-#pragma GCC unroll 4
+  OASISKV_UNROLL(4)
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(dots + static_cast<std::size_t>(r) * tp, acc[r][0]);
     _mm256_storeu_ps(dots + static_cast<std::size_t>(r) * tp + 8, acc[r][1]);

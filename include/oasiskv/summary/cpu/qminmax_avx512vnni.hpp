@@ -30,7 +30,7 @@ OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile,
                                                         const std::uint32_t* qw,
                                                         std::int32_t* acc_out) {
   __m512i acc[2][R];
-#pragma GCC unroll 8
+  OASISKV_UNROLL(8)
   for (int r = 0; r < R; ++r) {
     acc[0][r] = _mm512_setzero_si512();
     acc[1][r] = _mm512_setzero_si512();
@@ -39,10 +39,10 @@ OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile,
   for (std::uint32_t p = 0; p < pairs; p += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(tile + std::size_t{p + 8} * 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(tile + std::size_t{p + 9} * 64), _MM_HINT_T0);
-#pragma GCC unroll 2
+    OASISKV_UNROLL(2)
     for (std::uint32_t k = 0; k < 2; ++k) {
       const __m512i c = _mm512_loadu_si512(tile + std::size_t{p + k} * 64);
-#pragma GCC unroll 8
+      OASISKV_UNROLL(8)
       for (int r = 0; r < R; ++r) {
         const __m512i q = _mm512_set1_epi32(
             static_cast<int>(qw[std::size_t{pairs} * static_cast<std::size_t>(r) + p + k]));
@@ -50,7 +50,7 @@ OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile,
       }
     }
   }
-#pragma GCC unroll 8
+  OASISKV_UNROLL(8)
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_si512(acc_out + 16 * r, _mm512_add_epi32(acc[0][r], acc[1][r]));
   }
