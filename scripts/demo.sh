@@ -128,7 +128,7 @@ if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; t
   export OPENBLAS_CORETYPE=Haswell
 fi
 
-echo "== the document: $(wc -c <"$doc") characters of this repository's docs and headers; the" \
+echo "== the document: $(wc -c <"$doc") characters of this repository's design docs; the" \
   "fact it states once: \"$fact\""
 echo "== ${question#Question: }"
 exec "$bin" --model models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file "$doc" --chat \
