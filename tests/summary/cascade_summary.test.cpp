@@ -17,36 +17,17 @@
 
 #include "oasiskv/oasiskv.hpp"
 #include "support/kv_fixture.hpp"
+#include "support/summary_inputs.hpp"
 
 using namespace oasiskv;
 
 namespace {
 
 using oasiskv::testing::expect_error;
+using oasiskv::testing::random_rows;
+using oasiskv::testing::set_key;
 
 static_assert(two_stage_summary<qminmax_int4_cascade> && two_stage_summary<qminmax_int8_cascade>);
-
-std::vector<float> random_rows(std::uint32_t n, std::uint32_t d, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
-  std::vector<float> q(std::size_t{n} * d);
-  for (float& x : q) {
-    x = dist(rng);
-  }
-  return q;
-}
-
-// Writes key `k` (head_dim floats) as token `tok` of KV head `h` in slot `s`.
-void set_key(host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok, const float* k) {
-  const kv_layout& l = t.layout();
-  visit_dtype(l.kv_dtype, [&](auto elem) {
-    using T = decltype(elem);
-    T* p = reinterpret_cast<T*>(t.slot_data(s) + l.key_offset(h)) + std::size_t{tok} * l.head_dim;
-    for (std::uint32_t x = 0; x < l.head_dim; ++x) {
-      p[x] = from_float<T>(k[x]);
-    }
-  });
-}
 
 // The fine scorer written out: max or scaled log-sum-exp of dot products with the fine part's
 // dequantized keys, in double.

@@ -18,12 +18,15 @@
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "support/kv_fixture.hpp"
 #include "support/paths.hpp"
+#include "support/summary_inputs.hpp"
 
 using namespace oasiskv;
 
 namespace {
 
 using oasiskv::testing::expect_error;
+using oasiskv::testing::random_rows;
+using oasiskv::testing::set_key;
 
 static_assert(block_summary<int8_key_summary> && block_summary<int4_key_summary>);
 static_assert(log_mass_summary<int8_key_summary> && log_mass_summary<int4_key_summary>);
@@ -32,18 +35,6 @@ static_assert(mass_aggregation<softmax_mass_aggregation> &&
 static_assert(!mass_aggregation<max_aggregation>);
 
 using oasiskv::testing::key_of;
-
-// Writes key `k` (head_dim floats) as token `tok` of KV head `h` in slot `s`.
-void set_key(host_tier& t, slot_id s, std::uint32_t h, std::uint32_t tok, const float* k) {
-  const kv_layout& l = t.layout();
-  visit_dtype(l.kv_dtype, [&](auto elem) {
-    using T = decltype(elem);
-    T* p = reinterpret_cast<T*>(t.slot_data(s) + l.key_offset(h)) + std::size_t{tok} * l.head_dim;
-    for (std::uint32_t x = 0; x < l.head_dim; ++x) {
-      p[x] = from_float<T>(k[x]);
-    }
-  });
-}
 
 // The summary's quantization, written out independently (in f32, as specified): scale
 // max|k| / (2^(bits-1) - 1), codes round(k / scale), dequantized code * scale.
@@ -72,16 +63,6 @@ double dot(const float* q, const std::vector<float>& k) {
     a += double{q[x]} * k[x];
   }
   return a;
-}
-
-std::vector<float> random_rows(std::uint32_t n, std::uint32_t d, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
-  std::vector<float> q(std::size_t{n} * d);
-  for (float& x : q) {
-    x = dist(rng);
-  }
-  return q;
 }
 
 template <class S>
