@@ -63,6 +63,62 @@ struct layout_fields {
   }
 };
 
+//! @brief Per-thread scratch of `pick_contenders`; its result is `picked` and `ids`.
+struct contender_scratch {
+  std::vector<float> coarse;          //!< the coarse scores
+  std::vector<float> bound;           //!< [entries]: the bound folded over the rows
+  std::vector<float> ranked, pool;    //!< keep_top's
+  std::vector<std::uint32_t> picked;  //!< the contenders' indices into `entries`, ascending
+  std::vector<std::uint32_t> ids;     //!< their entry ids
+};
+
+//! @brief The first stage of a two-stage summary: scores `entries` of KV head `h` with `coarse`
+//! (a `block_summary`; its `score_rows` where it models `row_scoring_summary`), folds each
+//! entry's scores to one bound, the maximum over the `n` rows (NaN counts as `+inf`), and leaves
+//! in `s.picked` / `s.ids` the `c` entries with the highest bounds (ties to the earlier entry),
+//! ascending. Needs `0 < c < entries.size()`, `n > 0` and non-null `q`.
+template <class Coarse>
+void pick_contenders(const Coarse& coarse, cpu_isa isa, std::uint32_t h,
+                     std::span<const std::uint32_t> entries, const float* q, std::uint32_t n,
+                     std::uint32_t c, contender_scratch& s) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  const auto m = static_cast<std::uint32_t>(entries.size());
+  s.coarse.resize(std::size_t{m} * n);
+  s.bound.resize(m);
+  if constexpr (row_scoring_summary<Coarse>) {
+    coarse.score_rows(h, entries, q, n, s.coarse.data());
+    std::copy_n(s.coarse.data(), m, s.bound.data());
+    for (std::uint32_t r = 1; r < n; ++r) {
+      const float* row = s.coarse.data() + std::size_t{r} * m;
+      for (std::uint32_t i = 0; i < m; ++i) {
+        s.bound[i] = std::max(s.bound[i], row[i]);
+      }
+    }
+    for (std::uint32_t r = 0; r < n; ++r) {  // NaN (rare): a max would drop it
+      const float* row = s.coarse.data() + std::size_t{r} * m;
+      for (std::uint32_t i = 0; i < m; ++i) {
+        s.bound[i] = std::isnan(row[i]) ? inf : s.bound[i];
+      }
+    }
+  } else {
+    coarse.score(h, entries, q, n, s.coarse.data());
+    for (std::uint32_t i = 0; i < m; ++i) {
+      const float* e = s.coarse.data() + std::size_t{i} * n;
+      float b = -inf;
+      for (std::uint32_t r = 0; r < n; ++r) {
+        b = std::isnan(e[r]) ? inf : std::max(b, e[r]);
+      }
+      s.bound[i] = b;
+    }
+  }
+  s.picked.clear();
+  keep_top(isa, s.bound.data(), m, c, 0, s.ranked, s.pool, s.picked);
+  s.ids.resize(s.picked.size());
+  for (std::size_t j = 0; j < s.picked.size(); ++j) {
+    s.ids[j] = entries[s.picked[j]];
+  }
+}
+
 }  // namespace detail
 
 //! @brief Two summaries of the same blocks scored as a cascade: `Coarse` (cheap, a bound, e.g.
@@ -244,61 +300,22 @@ class cascade_summary {
     }
     constexpr float inf = std::numeric_limits<float>::infinity();
     thread_local scratch s;
-    // Stage 1: one bound per entry, the maximum over the rows (NaN as +inf).
-    s.coarse.resize(std::size_t{m} * n);
-    s.bound.resize(m);
-    if constexpr (row_scoring_summary<Coarse>) {
-      coarse_.score_rows(h, entries, q, n, s.coarse.data());
-      std::copy_n(s.coarse.data(), m, s.bound.data());
-      for (std::uint32_t r = 1; r < n; ++r) {
-        const float* row = s.coarse.data() + std::size_t{r} * m;
-        for (std::uint32_t i = 0; i < m; ++i) {
-          s.bound[i] = std::max(s.bound[i], row[i]);
-        }
-      }
-      for (std::uint32_t r = 0; r < n; ++r) {  // NaN (rare): a max would drop it
-        const float* row = s.coarse.data() + std::size_t{r} * m;
-        for (std::uint32_t i = 0; i < m; ++i) {
-          s.bound[i] = std::isnan(row[i]) ? inf : s.bound[i];
-        }
-      }
-    } else {
-      coarse_.score(h, entries, q, n, s.coarse.data());
-      for (std::uint32_t i = 0; i < m; ++i) {
-        const float* e = s.coarse.data() + std::size_t{i} * n;
-        float b = -inf;
-        for (std::uint32_t r = 0; r < n; ++r) {
-          b = std::isnan(e[r]) ? inf : std::max(b, e[r]);
-        }
-        s.bound[i] = b;
-      }
-    }
     std::fill(out, out + std::size_t{m} * n, -inf);
     if (c == 0) {
       return;
     }
-    // The contenders, ascending (keep_top needs 0 < c < m), then stage 2 over them only.
-    s.picked.clear();
-    detail::keep_top(isa_, s.bound.data(), m, c, 0, s.ranked, s.pool, s.picked);
-    s.ids.resize(s.picked.size());
-    for (std::size_t j = 0; j < s.picked.size(); ++j) {
-      s.ids[j] = entries[s.picked[j]];
-    }
-    s.fine.resize(s.ids.size() * n);
-    score_fine(h, s.ids, q, n, scale, s.fine.data());
-    for (std::size_t j = 0; j < s.picked.size(); ++j) {
-      std::copy_n(s.fine.data() + j * n, n, out + std::size_t{s.picked[j]} * n);
+    detail::pick_contenders(coarse_, isa_, h, entries, q, n, c, s.pick);
+    s.fine.resize(s.pick.ids.size() * n);
+    score_fine(h, s.pick.ids, q, n, scale, s.fine.data());
+    for (std::size_t j = 0; j < s.pick.picked.size(); ++j) {
+      std::copy_n(s.fine.data() + j * n, n, out + std::size_t{s.pick.picked[j]} * n);
     }
   }
 
  private:
   struct scratch {
-    std::vector<float> coarse;          // Coarse's scores
-    std::vector<float> bound;           // [entries]: the folded bound
-    std::vector<float> fine;            // [contenders][rows]: Fine's scores
-    std::vector<float> ranked, pool;    // keep_top's
-    std::vector<std::uint32_t> picked;  // contender indices into entries, ascending
-    std::vector<std::uint32_t> ids;     // their entry ids
+    detail::contender_scratch pick;  // stage 1
+    std::vector<float> fine;         // [contenders][rows]: Fine's scores
   };
 
   template <class S>
