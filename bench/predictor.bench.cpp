@@ -26,6 +26,9 @@
 //   lookahead_cascade_mass/<shape>/tokens:N/factor:F  ... qminmax_int4_cascade, softmax mass:
 //                                                the int8 bounds keep ceil(F x budget) contenders
 //                                                per KV head, int4 keys give their exact mass
+//   lookahead_int2_mass/<shape>/tokens:N/factor:F     ... qminmax_int2_summary, softmax mass:
+//                                                the same bounds and contenders, scored from
+//                                                2-bit codes between the bounds
 // (Every row names its aggregation: max unless said, as measured before softmax mass became
 // lookahead_predictor's default.)
 // Shapes: llama32k (32 q / 8 kv heads, head dim 128) and smollm2 (9 q / 3 kv, head dim 64), both
@@ -53,6 +56,7 @@
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/qminmax_int2_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "oasiskv/tier/host_tier.hpp"
@@ -190,6 +194,7 @@ struct fixture {
   std::vector<std::uint32_t> ids;
   std::vector<float> q;                                           // [8][num_q_heads][head_dim]
   std::map<int, std::unique_ptr<qminmax_int4_cascade>> cascades;  // by contender factor
+  std::map<int, std::unique_ptr<qminmax_int2_summary>> int2s;     // by contender factor
 
   explicit fixture(const shape& s)
       : layout{1, s.q_heads, s.kv_heads, s.head_dim, tokens_per_block, dtype::f16},
@@ -221,6 +226,12 @@ struct fixture {
     for (const float factor : {2.0f, 4.0f, 8.0f}) {  // copies of the parts built above
       cascades.emplace(static_cast<int>(factor), std::make_unique<qminmax_int4_cascade>(
                                                      quantized, int4_keys, cascade_params{factor}));
+      auto int2 =
+          std::make_unique<qminmax_int2_summary>(layout, num_blocks, cascade_params{factor});
+      for (slot_id b = 0; b < num_blocks; ++b) {
+        int2->update(b, pool.slot_data(b), 0, tokens_per_block);
+      }
+      int2s.emplace(static_cast<int>(factor), std::move(int2));
     }
     std::iota(ids.begin(), ids.end(), 0u);
     q.resize(std::size_t{8} * layout.num_q_heads * layout.head_dim);
@@ -400,6 +411,12 @@ void bm_lookahead_cascade_mass(benchmark::State& state) {
       state, f, *f.cascades.at(static_cast<int>(state.range(2))));
 }
 
+void bm_lookahead_int2_mass(benchmark::State& state) {
+  fixture& f = get(static_cast<int>(state.range(0)));
+  run_predictor_on<lookahead_predictor<qminmax_int2_summary>>(
+      state, f, *f.int2s.at(static_cast<int>(state.range(2))));
+}
+
 void cascade_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"shape", "tokens", "factor"});
   for (int s = 0; s < 2; ++s) {
@@ -455,6 +472,10 @@ BENCHMARK(bm_lookahead_int4_keys_mass)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_cascade_mass)
+    ->Apply(cascade_args)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_int2_mass)
     ->Apply(cascade_args)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);

@@ -51,5 +51,6 @@
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/qminmax_int2_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"

@@ -46,7 +46,7 @@ using predictors =
               lookahead_predictor<minmax_summary<>, max_aggregation>,
               lookahead_predictor<int8_key_summary>,
               lookahead_predictor<int4_key_summary, confidence_weighted_aggregation>,
-              lookahead_predictor<qminmax_int4_cascade>,
+              lookahead_predictor<qminmax_int4_cascade>, lookahead_predictor<qminmax_int2_summary>,
               lookahead_predictor<minmax_summary<>, max_aggregation, per_kv_head_selection>,
               current_query_predictor<minmax_summary<>>, recency_predictor, oracle_predictor<>>;
 

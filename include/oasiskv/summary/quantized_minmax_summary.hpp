@@ -231,6 +231,24 @@ class quantized_minmax_summary {
     tokens_[b] = static_cast<std::uint16_t>(tokens);
   }
 
+  //! @brief The dequantized bounds of entry `b`, KV head `h`, into `hi` and `lo` (`head_dim`
+  //! floats each): `lo[x] <= k[x] <= hi[x]` for every finite key `k` folded in, each a multiple
+  //! of the entry's power-of-two scale (both 0 for an empty entry). `errc::out_of_range` for an
+  //! entry or head out of range.
+  void bounds(std::uint32_t h, std::uint32_t b, float* hi, float* lo) const {
+    check_entry(b);
+    if (h >= layout_.num_kv_heads) [[unlikely]] {
+      detail::raise(errc::out_of_range, "quantized_minmax_summary::bounds: kv head ", h,
+                    " >= num_kv_heads = ", layout_.num_kv_heads);
+    }
+    const float s = scale_[slot(h, b)];
+    const std::int8_t* tile = codes_.data() + (std::size_t{h} * tiles_ + b / lanes) * tile_bytes_;
+    for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
+      hi[x] = static_cast<float>(tile[detail::qminmax_at(x, 0, b % lanes)]) * s;
+      lo[x] = -static_cast<float>(tile[detail::qminmax_at(x, 1, b % lanes)]) * s;
+    }
+  }
+
   //! @brief `out[i * n + r]` = the bound of query row `r` (of `q`, `[n][head_dim]`) over entry
   //! `entries[i]` of KV head `h`.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,

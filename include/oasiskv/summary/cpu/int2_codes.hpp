@@ -1,0 +1,279 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file
+//! @brief The code layout of `qminmax_int2_summary` and its scoring kernels: the dot products of
+//! query rows with one (entry, KV head)'s keys dequantized from 2-bit codes between per-dimension
+//! bounds, and the epilogue that folds them into the max or the scaled log-sum-exp. A portable
+//! kernel (the yardstick) and an AVX-512 one (`OASISKV_TARGET_AVX512`, chosen at run time).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "oasiskv/core/isa.hpp"
+#include "oasiskv/summary/cpu/math_avx512.hpp"
+
+namespace oasiskv::detail {
+
+// Tokens are stored in groups of 16: one 32-bit word holds the 2-bit codes of one dimension for
+// 16 tokens, token `16 g + i` at bits `[2 i, 2 i + 2)` of word `[x][g]`.
+inline constexpr std::uint32_t int2_lanes = 16;
+
+// Code `u` in [0, 3] of dimension x, token t, in an (entry, KV head)'s `[d][groups]` words.
+inline std::uint32_t int2_code(const std::uint32_t* words, std::uint32_t groups, std::uint32_t x,
+                               std::uint32_t t) noexcept {
+  return (words[std::size_t{x} * groups + t / int2_lanes] >> (2 * (t % int2_lanes))) & 3u;
+}
+
+// The dequantized element: `lo + u * step`.
+inline float int2_value(float lo, float step, std::uint32_t u) noexcept {
+  return lo + static_cast<float>(u) * step;
+}
+
+// `dots[r][t] = sum_x q[r][x] * (lo[x] + u(x, t) * step[x])` for the `groups * 16` token lanes.
+inline void int2_dots_scalar(const std::uint32_t* words, std::uint32_t groups, const float* lo,
+                             const float* step, std::uint32_t d, const float* q, std::uint32_t n,
+                             float* dots) {
+  const std::uint32_t tp = groups * int2_lanes;
+  thread_local std::vector<float> wide;  // [d][tp]: the dequantized keys, transposed
+  wide.resize(std::size_t{d} * tp);
+  for (std::uint32_t x = 0; x < d; ++x) {
+    for (std::uint32_t t = 0; t < tp; ++t) {
+      wide[std::size_t{x} * tp + t] = int2_value(lo[x], step[x], int2_code(words, groups, x, t));
+    }
+  }
+  for (std::uint32_t r = 0; r < n; ++r) {
+    float* o = dots + std::size_t{r} * tp;
+    std::fill(o, o + tp, 0.0f);
+    const float* qr = q + std::size_t{r} * d;
+    for (std::uint32_t x = 0; x < d; ++x) {
+      const float* w = wide.data() + std::size_t{x} * tp;
+      for (std::uint32_t t = 0; t < tp; ++t) {  // independent lanes: vectorises
+        o[t] += qr[x] * w[t];
+      }
+    }
+  }
+}
+
+// One row's epilogue over its first `tokens` dot products `v`: their max, or for `scale` > 0
+// `max + log(sum_t exp(scale * (v_t - max))) / scale`.
+inline float int2_reduce_scalar(const float* v, std::uint32_t tokens, float scale) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (std::uint32_t t = 0; t < tokens; ++t) {
+    m = v[t] > m ? v[t] : m;
+  }
+  if (scale == 0.0f || !std::isfinite(m)) {
+    return m;
+  }
+  float sum = 0.0f;
+  for (std::uint32_t t = 0; t < tokens; ++t) {
+    sum += std::exp(scale * (v[t] - m));
+  }
+  return m + std::log(sum) / scale;
+}
+
+#if OASISKV_X86_KERNELS
+
+// As in math_avx512.hpp: gcc 12's unmasked AVX-512 intrinsics (the variable shift, the
+// reductions) start from _mm512_undefined_*(), which -Wuninitialized reports once inlined.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+// R query rows against one group of 16 tokens: each dimension's 16 codes are widened and
+// dequantized once (a variable shift, a mask, a convert, one FMA with the bounds) and multiplied
+// into R accumulators of 16 tokens each (no horizontal sums).
+template <int R>
+OASISKV_TARGET_AVX512 inline void int2_group_avx512(const std::uint32_t* words,
+                                                    std::uint32_t groups, std::uint32_t g,
+                                                    const float* lo, const float* step,
+                                                    std::uint32_t d, const float* q, float* dots,
+                                                    std::uint32_t tp) {
+  const __m512i shifts =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i three = _mm512_set1_epi32(3);
+  __m512 acc[R];
+  OASISKV_UNROLL(8)
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (std::uint32_t x = 0; x < d; ++x) {
+    const __m512i w = _mm512_set1_epi32(static_cast<int>(words[std::size_t{x} * groups + g]));
+    const __m512 u =
+        _mm512_maskz_cvtepi32_ps(0xffff, _mm512_and_si512(_mm512_srlv_epi32(w, shifts), three));
+    const __m512 k = _mm512_fmadd_ps(u, _mm512_set1_ps(step[x]), _mm512_set1_ps(lo[x]));
+    OASISKV_UNROLL(8)
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[static_cast<std::size_t>(r) * d + x]), k, acc[r]);
+    }
+  }
+  OASISKV_UNROLL(8)
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(dots + static_cast<std::size_t>(r) * tp + std::size_t{g} * int2_lanes, acc[r]);
+  }
+}
+
+// int2_dots_scalar, 16 tokens x up to 8 rows per pass.
+OASISKV_TARGET_AVX512 inline void int2_dots_avx512(const std::uint32_t* words, std::uint32_t groups,
+                                                   const float* lo, const float* step,
+                                                   std::uint32_t d, const float* q, std::uint32_t n,
+                                                   float* dots) {
+  const std::uint32_t tp = groups * int2_lanes;
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    std::uint32_t r = 0;
+    for (; r + 8 <= n; r += 8) {
+      int2_group_avx512<8>(words, groups, g, lo, step, d, q + std::size_t{r} * d,
+                           dots + std::size_t{r} * tp, tp);
+    }
+    const float* qr = q + std::size_t{r} * d;
+    float* o = dots + std::size_t{r} * tp;
+    switch (n - r) {
+      case 7:
+        int2_group_avx512<7>(words, groups, g, lo, step, d, qr, o, tp);
+        break;
+      case 6:
+        int2_group_avx512<6>(words, groups, g, lo, step, d, qr, o, tp);
+        break;
+      case 5:
+        int2_group_avx512<5>(words, groups, g, lo, step, d, qr, o, tp);
+        break;
+      case 4:
+        int2_group_avx512<4>(words, groups, g, lo, step, d, qr, o, tp);
+        break;
+      case 3:
+        int2_group_avx512<3>(words, groups, g, lo, step, d, qr, o, tp);
+        break;
+      case 2:
+        int2_group_avx512<2>(words, groups, g, lo, step, d, qr, o, tp);
+        break;
+      case 1:
+        int2_group_avx512<1>(words, groups, g, lo, step, d, qr, o, tp);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+// int2_reduce_scalar with the 16-lane max and the polynomial exp (about 2 ulp).
+OASISKV_TARGET_AVX512 inline float int2_reduce_avx512(const float* v, std::uint32_t tokens,
+                                                      float scale) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = ninf;
+  for (std::uint32_t t = 0; t < tokens; t += 16) {
+    const __mmask16 k = tail16(t, tokens);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, v + t));
+  }
+  const float mx = _mm512_reduce_max_ps(m);
+  if (scale == 0.0f || !std::isfinite(mx)) {
+    return mx;
+  }
+  const __m512 s = _mm512_set1_ps(scale), mv = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (std::uint32_t t = 0; t < tokens; t += 16) {
+    const __mmask16 k = tail16(t, tokens);
+    const __m512 e =
+        exp16_normal(_mm512_mul_ps(s, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, v + t), mv)));
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  return mx + std::log(_mm512_reduce_add_ps(sum)) / scale;
+}
+
+// One group of at most 16 tokens (`tokens_per_block` <= 16) against R rows, the epilogue in
+// registers: each row's max, or its scaled log-sum-exp, straight from its accumulator.
+template <int R>
+OASISKV_TARGET_AVX512 inline void int2_block_avx512(const std::uint32_t* words, const float* lo,
+                                                    const float* step, std::uint32_t d,
+                                                    std::uint32_t tokens, const float* q,
+                                                    float scale, float* out) {
+  const __m512i shifts =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i three = _mm512_set1_epi32(3);
+  __m512 acc[R];
+  OASISKV_UNROLL(12)
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (std::uint32_t x = 0; x < d; ++x) {
+    const __m512i w = _mm512_set1_epi32(static_cast<int>(words[x]));
+    const __m512 u =
+        _mm512_maskz_cvtepi32_ps(0xffff, _mm512_and_si512(_mm512_srlv_epi32(w, shifts), three));
+    const __m512 k = _mm512_fmadd_ps(u, _mm512_set1_ps(step[x]), _mm512_set1_ps(lo[x]));
+    OASISKV_UNROLL(12)
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[static_cast<std::size_t>(r) * d + x]), k, acc[r]);
+    }
+  }
+  const __mmask16 live = tail16(0, tokens);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    const float m = _mm512_mask_reduce_max_ps(live, acc[r]);
+    if (scale == 0.0f || !std::isfinite(m)) {
+      out[r] = m;
+      continue;
+    }
+    const __m512 e = exp16_normal(_mm512_mul_ps(sv, _mm512_sub_ps(acc[r], _mm512_set1_ps(m))));
+    out[r] = m + std::log(_mm512_mask_reduce_add_ps(live, e)) / scale;
+  }
+}
+
+// int2_block_avx512 for n rows, in passes of up to 12.
+OASISKV_TARGET_AVX512 inline void int2_block_rows_avx512(const std::uint32_t* words,
+                                                         const float* lo, const float* step,
+                                                         std::uint32_t d, std::uint32_t tokens,
+                                                         const float* q, std::uint32_t n,
+                                                         float scale, float* out) {
+  using pass = void (*)(const std::uint32_t*, const float*, const float*, std::uint32_t,
+                        std::uint32_t, const float*, float, float*);
+  static constexpr pass passes[12] = {
+      &int2_block_avx512<1>,  &int2_block_avx512<2>,  &int2_block_avx512<3>,
+      &int2_block_avx512<4>,  &int2_block_avx512<5>,  &int2_block_avx512<6>,
+      &int2_block_avx512<7>,  &int2_block_avx512<8>,  &int2_block_avx512<9>,
+      &int2_block_avx512<10>, &int2_block_avx512<11>, &int2_block_avx512<12>};
+  for (std::uint32_t r = 0; r < n; r += 12) {
+    const std::uint32_t rows = n - r < 12 ? n - r : 12;
+    passes[rows - 1](words, lo, step, d, tokens, q + std::size_t{r} * d, scale, out + r);
+  }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // OASISKV_X86_KERNELS
+
+//! @brief `out[r]` for the `n` query rows `q` (`[n][d]`) against the first `tokens` tokens of
+//! one (entry, KV head) of `qminmax_int2_summary`: its codes (`[d][groups]` words) between
+//! `lo` and `lo + 3 step` per dimension; `scale` == 0 gives the max of the dequantized dot
+//! products, > 0 the scaled log-sum-exp. `dots` is `[n][groups * 16]` scratch. `cpu_isa::avx512`
+//! (already resolved) runs the AVX-512 kernel, every other path the portable one.
+inline void int2_score_entry(cpu_isa isa, const std::uint32_t* words, std::uint32_t groups,
+                             const float* lo, const float* step, std::uint32_t d,
+                             std::uint32_t tokens, const float* q, std::uint32_t n, float scale,
+                             float* dots, float* out) {
+  const std::uint32_t tp = groups * int2_lanes;
+#if OASISKV_X86_KERNELS
+  if (isa == cpu_isa::avx512 && groups == 1) {
+    int2_block_rows_avx512(words, lo, step, d, tokens, q, n, scale, out);
+    return;
+  }
+  if (isa == cpu_isa::avx512) {
+    int2_dots_avx512(words, groups, lo, step, d, q, n, dots);
+    for (std::uint32_t r = 0; r < n; ++r) {
+      out[r] = int2_reduce_avx512(dots + std::size_t{r} * tp, tokens, scale);
+    }
+    return;
+  }
+#endif
+  (void)isa;
+  int2_dots_scalar(words, groups, lo, step, d, q, n, dots);
+  for (std::uint32_t r = 0; r < n; ++r) {
+    out[r] = int2_reduce_scalar(dots + std::size_t{r} * tp, tokens, scale);
+  }
+}
+
+}  // namespace oasiskv::detail
