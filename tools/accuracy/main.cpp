@@ -92,11 +92,13 @@ int main(int argc, char** argv) {
                  "sparse-in-the-loop runs, pred:agg:budget[:scoring[:factor][:tMASS]] (pred la1 "
                  "la2 la4 prev cur recency; scoring summary (min/max f16, the default), qminmax "
                  "(min/max in int8), int8 or int4 (key copies), cascade4 or cascade8 (qminmax "
-                 "picks factor x budget contenders, int4 / int8 keys score them; factor: "
+                 "picks factor x budget contenders, int4 / int8 keys score them), cascade2 "
+                 "(qminmax_int2_summary: 2-bit codes between the bounds score them; factor: "
                  "--contender-factor unless given); tMASS, e.g. t0.9: an adaptive budget, the "
                  "fewest blocks covering MASS of the predicted mass, budget on average)");
-  app.add_option("--contender-factor", contender_factor,
-                 "cascade4 / cascade8: contenders = ceil(factor x budget blocks) per KV head")
+  app.add_option(
+         "--contender-factor", contender_factor,
+         "cascade4 / cascade8 / cascade2: contenders = ceil(factor x budget blocks) per KV head")
       ->check(CLI::Range(1.0f, 1.0e6f));
   app.add_option("--json", json_path, "write every figure here");
   app.add_option("--expect", expects, "<config>:<metric>>=<value> (or <=); exit 1 when one fails");

@@ -18,6 +18,7 @@
 #include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
+#include "oasiskv/summary/qminmax_int2_summary.hpp"
 #include "sampler.hpp"
 
 namespace accuracy {
@@ -79,8 +80,8 @@ sparse_config parse_sparse_config(const std::string& spec, float default_factor)
       sc.target_mass = t;
     } else {
       if (!cascade) {
-        mini_decoder::fail("--e2e '", spec, "': only cascade4 / cascade8 take a factor ('", o,
-                           "')");
+        mini_decoder::fail("--e2e '", spec,
+                           "': only cascade4 / cascade8 / cascade2 take a factor ('", o, "')");
       }
       end = nullptr;
       const float f = std::strtof(o.c_str(), &end);
@@ -140,7 +141,7 @@ struct predictors {
 struct runner::sparse_state {
   oasiskv::kv_layout layout;
   // Which summary the run scores with: 0 min/max, 1 int8 min/max, 8 / 4 keys, 14 / 18 the
-  // int8 min/max -> int4 / int8 keys cascade.
+  // int8 min/max -> int4 / int8 keys cascade; 12 the int8 min/max -> 2-bit codes summary.
   int kind = 0;
   predictors<oasiskv::minmax_summary<>> minmax;
   predictors<oasiskv::quantized_minmax_summary> qminmax;
@@ -148,6 +149,7 @@ struct runner::sparse_state {
   predictors<oasiskv::int4_key_summary> keys4;
   predictors<oasiskv::qminmax_int4_cascade> cascade4;
   predictors<oasiskv::qminmax_int8_cascade> cascade8;
+  predictors<oasiskv::qminmax_int2_summary> cascade2;
   std::vector<std::byte> slot;
   std::vector<std::uint32_t> ids;
   oasiskv::block_selector selector;
@@ -178,6 +180,8 @@ struct runner::sparse_state {
       cascade4.summaries[l].update(b, slot.data(), first, count);
     } else if (kind == 18) {
       cascade8.summaries[l].update(b, slot.data(), first, count);
+    } else if (kind == 12) {
+      cascade2.summaries[l].update(b, slot.data(), first, count);
     } else {
       minmax.summaries[l].update(b, slot.data(), first, count);
     }
@@ -312,15 +316,16 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
     }
     if (sparse->scoring != "summary" && sparse->scoring != "qminmax" && sparse->scoring != "int8" &&
         sparse->scoring != "int4" && sparse->scoring != "cascade4" &&
-        sparse->scoring != "cascade8") {
+        sparse->scoring != "cascade8" && sparse->scoring != "cascade2") {
       mini_decoder::fail("--e2e scoring '", sparse->scoring,
-                         "' is not summary, qminmax, int8, int4, cascade4 or cascade8");
+                         "' is not summary, qminmax, int8, int4, cascade4, cascade8 or cascade2");
     }
     ss->kind = sparse->scoring == "int8"       ? 8
                : sparse->scoring == "int4"     ? 4
                : sparse->scoring == "qminmax"  ? 1
                : sparse->scoring == "cascade4" ? 14
                : sparse->scoring == "cascade8" ? 18
+               : sparse->scoring == "cascade2" ? 12
                                                : 0;
     const oasiskv::cascade_params cp{sparse->contender_factor};
     for (std::uint32_t l = 0; l < L; ++l) {
@@ -334,6 +339,8 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
         ss->cascade4.summaries.emplace_back(ss->layout, cap, cp);
       } else if (ss->kind == 18) {
         ss->cascade8.summaries.emplace_back(ss->layout, cap, cp);
+      } else if (ss->kind == 12) {
+        ss->cascade2.summaries.emplace_back(ss->layout, cap, cp);
       } else {
         ss->minmax.summaries.emplace_back(ss->layout, cap);
       }
@@ -443,6 +450,8 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
             ss->cascade4.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           } else if (ss->kind == 18) {
             ss->cascade8.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
+          } else if (ss->kind == 12) {
+            ss->cascade2.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           } else {
             ss->minmax.select(*sparse, l, ss->layout, len, ids, prev, current, sp, ss->sel);
           }

@@ -23,13 +23,14 @@ namespace accuracy {
 //! `minmax_summary<f16>` (scoring "summary"), `quantized_minmax_summary` ("qminmax": the same
 //! bounds in int8), `int8_key_summary` ("int8"), `int4_key_summary` ("int4") or a two-stage
 //! `cascade_summary`: the int8 bounds keep `contender_factor` x the budget's blocks, scored by
-//! int4 ("cascade4": `qminmax_int4_cascade`) or int8 ("cascade8") key copies.
+//! int4 ("cascade4": `qminmax_int4_cascade`) or int8 ("cascade8") key copies; or
+//! `qminmax_int2_summary` ("cascade2": the same bounds, 2-bit codes between them score).
 struct sparse_config {
   std::string pred = "la4";         // la1 la2 la4 prev cur recency
   std::string agg = "max";          // max mass conf
-  std::string scoring = "summary";  // summary, qminmax, int8, int4, cascade4, cascade8
+  std::string scoring = "summary";  // summary, qminmax, int8, int4, cascade4/8/2
   std::uint32_t budget = 1024, block = 16;
-  float contender_factor = oasiskv::cascade_params{}.contender_factor;  // cascade4 / cascade8
+  float contender_factor = oasiskv::cascade_params{}.contender_factor;  // the cascades
   //! pred/scoring/agg/shared/bT/budget; a cascade's scoring also names its factor
   //! (`cascade4x2`).
   // 0: every (step, layer) takes `budget` tokens of blocks; in (0, 1]: an adaptive budget, the
