@@ -15,6 +15,7 @@
 #include "oasiskv/predictor/recency_predictor.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/qminmax_int2_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "quant.hpp"
@@ -78,6 +79,8 @@ decltype(auto) with_summary(summary_kind k, F&& f) {
       return f(std::type_identity<oasiskv::int4_key_summary>{});
     case summary_kind::cascade:
       return f(std::type_identity<oasiskv::qminmax_int4_cascade>{});
+    case summary_kind::int2:
+      return f(std::type_identity<oasiskv::qminmax_int2_summary>{});
     case summary_kind::minmax:
       break;
   }

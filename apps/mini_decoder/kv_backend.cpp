@@ -1,63 +1,87 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kv_backend.hpp"
 
+#include <cstddef>
+#include <string>
+
 #include "cache_bundles.hpp"
 #include "common.hpp"
 
 namespace mini_decoder {
 
-const char* to_string(attention_mode m) {
-  switch (m) {
-    case attention_mode::dense:
-      return "dense";
-    case attention_mode::oasis:
-      return "oasis";
-    case attention_mode::quest:
-      return "quest";
-    case attention_mode::recency:
-      return "recency";
-    case attention_mode::on_demand:
-      return "on-demand";
+namespace {
+
+// Each enumerator's command-line name, in the order help texts list them.
+template <class E>
+struct named {
+  E value;
+  const char* name;
+};
+constexpr named<attention_mode> mode_table[] = {{attention_mode::dense, "dense"},
+                                                {attention_mode::oasis, "oasis"},
+                                                {attention_mode::quest, "quest"},
+                                                {attention_mode::recency, "recency"},
+                                                {attention_mode::on_demand, "on-demand"}};
+constexpr named<summary_kind> summary_table[] = {
+    {summary_kind::cascade, "cascade"}, {summary_kind::int2, "int2"},
+    {summary_kind::minmax, "minmax"},   {summary_kind::qminmax, "qminmax"},
+    {summary_kind::int8, "int8"},       {summary_kind::int4, "int4"}};
+
+template <class E, std::size_t N>
+const char* name_of(const named<E> (&table)[N], E v) {
+  for (const auto& e : table) {
+    if (e.value == v) {
+      return e.name;
+    }
   }
   return "?";
+}
+
+template <class E, std::size_t N>
+std::string joined(const named<E> (&table)[N], const char* sep) {
+  std::string s;
+  for (const auto& e : table) {
+    s += s.empty() ? "" : sep;
+    s += e.name;
+  }
+  return s;
+}
+
+template <class E, std::size_t N>
+const E* find_named(const named<E> (&table)[N], const std::string& s) {
+  for (const auto& e : table) {
+    if (s == e.name) {
+      return &e.value;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const char* to_string(attention_mode m) {
+  return name_of(mode_table, m);
 }
 
 attention_mode parse_mode(const std::string& s) {
-  for (auto m : {attention_mode::dense, attention_mode::oasis, attention_mode::quest,
-                 attention_mode::recency, attention_mode::on_demand}) {
-    if (s == to_string(m)) {
-      return m;
-    }
+  if (const attention_mode* m = find_named(mode_table, s)) {
+    return *m;
   }
-  fail("unknown --mode '", s, "' (dense, oasis, quest, recency, on-demand)");
+  fail("unknown --mode '", s, "' (", joined(mode_table, ", "), ")");
 }
 
 const char* to_string(summary_kind k) {
-  switch (k) {
-    case summary_kind::minmax:
-      return "minmax";
-    case summary_kind::qminmax:
-      return "qminmax";
-    case summary_kind::int8:
-      return "int8";
-    case summary_kind::int4:
-      return "int4";
-    case summary_kind::cascade:
-      return "cascade";
-  }
-  return "?";
+  return name_of(summary_table, k);
 }
 
 const char* summary_names() {
-  return "cascade|minmax|qminmax|int8|int4";
+  static const std::string names = joined(summary_table, "|");
+  return names.c_str();
 }
 
 summary_kind parse_summary(const std::string& s) {
-  for (auto k : {summary_kind::minmax, summary_kind::qminmax, summary_kind::int8,
-                 summary_kind::int4, summary_kind::cascade}) {
-    if (s == to_string(k)) {
-      return k;
-    }
+  if (const summary_kind* k = find_named(summary_table, s)) {
+    return *k;
   }
   fail("unknown --summary '", s, "' (", summary_names(), ")");
 }

@@ -20,10 +20,11 @@ attention_mode parse_mode(const std::string& s);  // throws decoder_error on an 
 
 //! The block summary the predicting modes (oasis, on-demand) score blocks with (`--summary`):
 //! min/max bounds in f16 (`minmax`) or int8 (`qminmax`), int8 or int4 copies of every key
-//! (`int8`, `int4`), or the two-stage `cascade` (`qminmax_int4_cascade`: the int8 bounds pick
-//! four times the budget in contenders, the int4 keys score those). Quest keeps the f16 bounds
-//! (its published form).
-enum class summary_kind : std::uint8_t { minmax, qminmax, int8, int4, cascade };
+//! (`int8`, `int4`), or a two-stage one: `cascade` (`qminmax_int4_cascade`: the int8 bounds pick
+//! four times the budget in contenders, the int4 keys score those) or `int2`
+//! (`qminmax_int2_summary`: the same bounds pick, 2-bit codes between them score). Quest keeps
+//! the f16 bounds (its published form).
+enum class summary_kind : std::uint8_t { minmax, qminmax, int8, int4, cascade, int2 };
 const char* to_string(summary_kind k);
 summary_kind parse_summary(const std::string& s);  // throws decoder_error on an unknown name
 //! Every `summary_kind`'s name, '|'-separated (for help texts and errors).

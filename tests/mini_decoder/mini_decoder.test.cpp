@@ -349,8 +349,8 @@ TEST_CASE(
   o.budget_tokens = 64;
   o.ignore_eos = true;
   std::vector<std::uint64_t> bytes;
-  for (const summary_kind k : {summary_kind::qminmax, summary_kind::minmax, summary_kind::int4,
-                               summary_kind::cascade, summary_kind::int8}) {
+  for (const summary_kind k : {summary_kind::qminmax, summary_kind::minmax, summary_kind::int2,
+                               summary_kind::int4, summary_kind::cascade, summary_kind::int8}) {
     CAPTURE(to_string(k));
     CHECK(parse_summary(to_string(k)) == k);
     o.summary = k;
@@ -375,9 +375,9 @@ TEST_CASE(
     decoder r(m, replayed);
     CHECK(r.generate(prompt) == sparse);
   }
-  // Per block: int8 bounds < f16 bounds < an int4 key per token < the int8 bounds and the int4
-  // keys (the cascade) < an int8 key per token.
-  REQUIRE(bytes.size() == 5);
+  // Per block: int8 bounds < f16 bounds < int8 bounds and a 2-bit code per key element < an int4
+  // key per token < the int8 bounds and the int4 keys (the cascade) < an int8 key per token.
+  REQUIRE(bytes.size() == 6);
   CHECK(bytes[0] > 0);
   for (std::size_t i = 1; i < bytes.size(); ++i) {
     CHECK(bytes[i - 1] < bytes[i]);

@@ -8,6 +8,7 @@
 
 #include "batch.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
+#include "oasiskv/summary/qminmax_int2_summary.hpp"
 #include "support.hpp"
 #include "throughput.hpp"
 
@@ -87,14 +88,15 @@ TEST_CASE("batched admission counts each sequence's block summaries as fast memo
   bo.fast_tier_bytes = 64ull << 20;
   bo.budget_tokens = 64;            // 4 blocks: 2 * 4 + 4 = 12 staged a layer
   const std::uint64_t blocks = 14;  // 200 + 24 tokens
-  for (const summary_kind k : {summary_kind::qminmax, summary_kind::cascade}) {
+  for (const summary_kind k : {summary_kind::qminmax, summary_kind::cascade, summary_kind::int2}) {
     CAPTURE(to_string(k));
     bo.summary = k;
     const batch_engine e(m, bo);
     const sequence_need nd = e.need(200, 24);
-    const std::uint64_t per_block = k == summary_kind::qminmax
-                                        ? oasiskv::quantized_minmax_summary(l, 1).bytes_per_block()
-                                        : oasiskv::qminmax_int4_cascade(l, 1).bytes_per_block();
+    const std::uint64_t per_block =
+        k == summary_kind::qminmax   ? oasiskv::quantized_minmax_summary(l, 1).bytes_per_block()
+        : k == summary_kind::cascade ? oasiskv::qminmax_int4_cascade(l, 1).bytes_per_block()
+                                     : oasiskv::qminmax_int2_summary(l, 1).bytes_per_block();
     CHECK(nd.summary_bytes == blocks * c.num_layers * per_block);
     CHECK(nd.fast_slots ==
           12ull * c.num_layers + (nd.summary_bytes + l.block_bytes() - 1) / l.block_bytes());
