@@ -279,45 +279,48 @@ class qminmax_int2_summary {
     }
   };
 
-  // Tokens into an entry not yet full: kept as keys, coded once the block is whole.
+  // Tokens into an entry not yet full: kept as keys, coded once the block is whole. What can
+  // throw (a new entry's allocation, the bounds' update) runs before the entry changes.
   void update_open(std::uint32_t b, const std::byte* block, std::uint32_t first,
                    std::uint32_t count, const float* fresh) {
     const std::uint32_t d = layout_.head_dim, heads = layout_.num_kv_heads,
                         tpb = layout_.tokens_per_block;
     auto it = open_.find(b);
-    open_entry next;  // built aside, committed once nothing can throw
-    if (it != open_.end()) {
-      next = it->second;
-    } else {
-      next.keys.assign(std::size_t{heads} * tpb * d, 0.0f);
-      next.present.assign(tpb, 0);
+    const bool created = it == open_.end();
+    if (created) {
+      open_entry e;
+      e.keys.assign(std::size_t{heads} * tpb * d, 0.0f);
+      e.present.assign(tpb, 0);
+      it = open_.emplace(b, std::move(e)).first;
     }
+    open_entry& e = it->second;
     std::uint32_t added = 0;
     for (std::uint32_t t = first; t < first + count; ++t) {
-      added += next.present[t] ? 0u : 1u;
-      next.present[t] = 1;
-      for (std::uint32_t h = 0; h < heads; ++h) {
-        std::copy_n(fresh + (std::size_t{h} * count + (t - first)) * d, d, next.key(h, t, layout_));
-      }
+      added += e.present[t] ? 0u : 1u;
     }
     const std::uint32_t have = tokens_[b] + added;
-    if (have == tpb) {
-      thread_local std::vector<std::uint32_t> words;
-      words.resize(std::size_t{heads} * words_);
+    thread_local std::vector<std::uint32_t> words;
+    try {
+      words.resize(have == tpb ? std::size_t{heads} * words_ : 0);
       bounds_.update(b, block, first, count);
-      encode_all(b, next, words.data());
+    } catch (...) {
+      if (created) {
+        open_.erase(it);
+      }
+      throw;
+    }
+    for (std::uint32_t t = first; t < first + count; ++t) {
+      e.present[t] = 1;
+      for (std::uint32_t h = 0; h < heads; ++h) {
+        std::copy_n(fresh + (std::size_t{h} * count + (t - first)) * d, d, e.key(h, t, layout_));
+      }
+    }
+    if (have == tpb) {
+      encode_all(b, e, words.data());
       for (std::uint32_t h = 0; h < heads; ++h) {
         std::copy_n(words.data() + std::size_t{h} * words_, words_, codes_of(h, b));
       }
-      if (it != open_.end()) {
-        open_.erase(it);
-      }
-    } else {
-      if (it == open_.end()) {
-        it = open_.emplace(b, open_entry{}).first;
-      }
-      bounds_.update(b, block, first, count);
-      it->second = std::move(next);
+      open_.erase(it);
     }
     tokens_[b] = static_cast<std::uint16_t>(have);
   }
