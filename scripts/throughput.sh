@@ -21,7 +21,7 @@ prompt_tokens=8064
 answer_tokens=128
 dense_sequences=4
 budget=1024
-summary=cascade
+summary=int2
 threads=$(nproc 2>/dev/null || echo 1)
 out=build/throughput.json
 while [ $# -gt 0 ]; do

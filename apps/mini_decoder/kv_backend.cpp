@@ -23,9 +23,9 @@ constexpr named<attention_mode> mode_table[] = {{attention_mode::dense, "dense"}
                                                 {attention_mode::recency, "recency"},
                                                 {attention_mode::on_demand, "on-demand"}};
 constexpr named<summary_kind> summary_table[] = {
-    {summary_kind::cascade, "cascade"}, {summary_kind::int2, "int2"},
-    {summary_kind::minmax, "minmax"},   {summary_kind::qminmax, "qminmax"},
-    {summary_kind::int8, "int8"},       {summary_kind::int4, "int4"}};
+    {summary_kind::int2, "int2"},     {summary_kind::cascade, "cascade"},
+    {summary_kind::minmax, "minmax"}, {summary_kind::qminmax, "qminmax"},
+    {summary_kind::int8, "int8"},     {summary_kind::int4, "int4"}};
 
 template <class E, std::size_t N>
 const char* name_of(const named<E> (&table)[N], E v) {

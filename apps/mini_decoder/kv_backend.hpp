@@ -30,7 +30,7 @@ summary_kind parse_summary(const std::string& s);  // throws decoder_error on an
 //! Every `summary_kind`'s name, '|'-separated (for help texts and errors).
 const char* summary_names();
 //! The default: the best measured quality (docs/accuracy.md) at a select() cost the CPU carries.
-inline constexpr summary_kind default_summary = summary_kind::cascade;
+inline constexpr summary_kind default_summary = summary_kind::int2;
 
 struct cache_config {
   attention_mode mode = attention_mode::dense;
