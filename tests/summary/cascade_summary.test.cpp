@@ -94,25 +94,8 @@ TEST_CASE_TEMPLATE("cascade_summary: fine scores for the top coarse bounds, -inf
             const auto want = static_cast<std::uint32_t>(
                 std::min<double>(blocks, std::ceil(double{factor} * keep)));
             CHECK(c.contenders(blocks, keep) == want);
-            std::vector<double> bound(blocks);
-            for (std::uint32_t i = 0; i < blocks; ++i) {
-              std::vector<float> one(n);
-              c.coarse().score(h, std::span<const std::uint32_t>(&ids[i], 1), q.data(), n,
-                               one.data());
-              bound[i] = -std::numeric_limits<double>::infinity();
-              for (const float v : one) {
-                REQUIRE_FALSE(std::isnan(v));
-                bound[i] = std::max(bound[i], double{v});
-              }
-            }
-            std::vector<std::uint32_t> order(blocks);
-            std::iota(order.begin(), order.end(), 0u);
-            std::stable_sort(order.begin(), order.end(),
-                             [&](std::uint32_t a, std::uint32_t b) { return bound[a] > bound[b]; });
-            std::vector<bool> contender(blocks, false);
-            for (std::uint32_t j = 0; j < want; ++j) {
-              contender[order[j]] = true;
-            }
+            const std::vector<bool> contender =
+                testing::top_bound_contenders(c.coarse(), h, ids, q, n, want);
             for (std::uint32_t i = 0; i < blocks; ++i) {
               CAPTURE(i);
               for (std::uint32_t r = 0; r < n; ++r) {

@@ -141,53 +141,58 @@ TEST_CASE("qminmax_int2_summary: every coded element lies within half a code ste
 }
 
 TEST_CASE("qminmax_int2_summary: scores and log-mass of the dequantized keys on every path") {
-  const kv_layout l{1, 8, 2, 64, 16, dtype::f16};
-  constexpr std::uint32_t blocks = 12;
-  host_tier pool(l, blocks);
-  testing::fill_random(pool, 21);
-  // Full blocks (coded), partly filled ones (scored from their keys) and an empty one.
-  const std::vector<std::uint32_t> fill{16, 16, 5, 16, 0, 1, 16, 15, 16, 16, 9, 16};
-  for (const cpu_isa isa : paths()) {
-    CAPTURE(to_string(isa));
-    qminmax_int2_summary s(l, blocks, {}, isa);
-    for (std::uint32_t b = 0; b < blocks; ++b) {
-      s.update(b, pool.slot_data(b), 0, fill[b]);
-      CHECK(s.tokens(b) == fill[b]);
-    }
-    std::vector<std::uint32_t> ids(blocks);
-    std::iota(ids.begin(), ids.end(), 0u);
-    std::reverse(ids.begin(), ids.end());
-    for (const std::uint32_t n : {1u, 3u, 12u}) {
-      const auto q = random_rows(n, l.head_dim, 40 + n);
-      for (const float scale : {0.0f, 0.125f}) {
-        for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
-          CAPTURE(n);
-          CAPTURE(scale);
-          std::vector<float> out(std::size_t{blocks} * n);
-          if (scale == 0.0f) {
-            s.score(h, ids, q.data(), n, out.data());
-          } else {
-            s.score_log_mass(h, ids, q.data(), n, scale, out.data());
-          }
-          for (std::size_t i = 0; i < ids.size(); ++i) {
-            const std::uint32_t b = ids[i];
-            CAPTURE(b);
-            // Coded blocks: the dequantized keys; blocks still filling: the keys themselves.
-            std::vector<std::vector<float>> keys;
-            for (std::uint32_t t = 0; t < fill[b]; ++t) {
-              keys.push_back(fill[b] == 16 ? s.dequantized(h, b, t) : key_of(pool, b, h, t));
-              if (fill[b] < 16) {
-                CHECK(s.dequantized(h, b, t) == keys.back());
-              }
+  // 16-token blocks: one group of codes per dimension; 20: two (the second partly used).
+  for (const std::uint32_t full : {16u, 20u}) {
+    const kv_layout l{1, 8, 2, 64, full, dtype::f16};
+    constexpr std::uint32_t blocks = 12;
+    host_tier pool(l, blocks);
+    testing::fill_random(pool, 21);
+    // Full blocks (coded), partly filled ones (scored from their keys) and an empty one.
+    const std::uint32_t f = full;
+    const std::vector<std::uint32_t> fill{f, f, 5, f, 0, 1, f, f - 1, f, f, 9, f};
+    for (const cpu_isa isa : paths()) {
+      CAPTURE(full);
+      CAPTURE(to_string(isa));
+      qminmax_int2_summary s(l, blocks, {}, isa);
+      for (std::uint32_t b = 0; b < blocks; ++b) {
+        s.update(b, pool.slot_data(b), 0, fill[b]);
+        CHECK(s.tokens(b) == fill[b]);
+      }
+      std::vector<std::uint32_t> ids(blocks);
+      std::iota(ids.begin(), ids.end(), 0u);
+      std::reverse(ids.begin(), ids.end());
+      for (const std::uint32_t n : {1u, 3u, 12u, 13u}) {
+        const auto q = random_rows(n, l.head_dim, 40 + n);
+        for (const float scale : {0.0f, 0.125f}) {
+          for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+            CAPTURE(n);
+            CAPTURE(scale);
+            std::vector<float> out(std::size_t{blocks} * n);
+            if (scale == 0.0f) {
+              s.score(h, ids, q.data(), n, out.data());
+            } else {
+              s.score_log_mass(h, ids, q.data(), n, scale, out.data());
             }
-            for (std::uint32_t r = 0; r < n; ++r) {
-              const double expect = model(keys, q.data() + std::size_t{r} * l.head_dim, scale);
-              const float got = out[i * n + r];
-              if (std::isinf(expect)) {
-                CHECK(got == static_cast<float>(expect));
-              } else {
-                REQUIRE(std::isfinite(got));
-                CHECK(got == doctest::Approx(expect).epsilon(1e-5));
+            for (std::size_t i = 0; i < ids.size(); ++i) {
+              const std::uint32_t b = ids[i];
+              CAPTURE(b);
+              // Coded blocks: the dequantized keys; blocks still filling: the keys themselves.
+              std::vector<std::vector<float>> keys;
+              for (std::uint32_t t = 0; t < fill[b]; ++t) {
+                keys.push_back(fill[b] == full ? s.dequantized(h, b, t) : key_of(pool, b, h, t));
+                if (fill[b] < full) {
+                  CHECK(s.dequantized(h, b, t) == keys.back());
+                }
+              }
+              for (std::uint32_t r = 0; r < n; ++r) {
+                const double expect = model(keys, q.data() + std::size_t{r} * l.head_dim, scale);
+                const float got = out[i * n + r];
+                if (std::isinf(expect)) {
+                  CHECK(got == static_cast<float>(expect));
+                } else {
+                  REQUIRE(std::isfinite(got));
+                  CHECK(got == doctest::Approx(expect).epsilon(1e-5));
+                }
               }
             }
           }
@@ -259,23 +264,8 @@ TEST_CASE("qminmax_int2_summary: two-stage scores for the top bounds, -inf for t
           CHECK(s.contenders(blocks, keep) == want);
           // The model: each entry's bound (the max over rows of the bounds' scores), the top
           // `want` (ties to the earlier index), scored alone.
-          std::vector<double> bound(blocks, -std::numeric_limits<double>::infinity());
-          for (std::uint32_t i = 0; i < blocks; ++i) {
-            std::vector<float> one(n);
-            s.bounds().score(h, std::span<const std::uint32_t>(&ids[i], 1), q.data(), n,
-                             one.data());
-            for (const float v : one) {
-              bound[i] = std::max(bound[i], double{v});
-            }
-          }
-          std::vector<std::uint32_t> order(blocks);
-          std::iota(order.begin(), order.end(), 0u);
-          std::stable_sort(order.begin(), order.end(),
-                           [&](std::uint32_t a, std::uint32_t b) { return bound[a] > bound[b]; });
-          std::vector<bool> contender(blocks, false);
-          for (std::uint32_t j = 0; j < want; ++j) {
-            contender[order[j]] = true;
-          }
+          const std::vector<bool> contender =
+              testing::top_bound_contenders(s.bounds(), h, ids, q, n, want);
           for (std::uint32_t i = 0; i < blocks; ++i) {
             std::vector<float> alone(n);
             if (scale == 0.0f) {

@@ -123,39 +123,17 @@ OASISKV_TARGET_AVX512 inline void int2_dots_avx512(const std::uint32_t* words, s
                                                    const float* lo, const float* step,
                                                    std::uint32_t d, const float* q, std::uint32_t n,
                                                    float* dots) {
+  using pass = void (*)(const std::uint32_t*, std::uint32_t, std::uint32_t, const float*,
+                        const float*, std::uint32_t, const float*, float*, std::uint32_t);
+  static constexpr pass passes[8] = {
+      &int2_group_avx512<1>, &int2_group_avx512<2>, &int2_group_avx512<3>, &int2_group_avx512<4>,
+      &int2_group_avx512<5>, &int2_group_avx512<6>, &int2_group_avx512<7>, &int2_group_avx512<8>};
   const std::uint32_t tp = groups * int2_lanes;
   for (std::uint32_t g = 0; g < groups; ++g) {
-    std::uint32_t r = 0;
-    for (; r + 8 <= n; r += 8) {
-      int2_group_avx512<8>(words, groups, g, lo, step, d, q + std::size_t{r} * d,
-                           dots + std::size_t{r} * tp, tp);
-    }
-    const float* qr = q + std::size_t{r} * d;
-    float* o = dots + std::size_t{r} * tp;
-    switch (n - r) {
-      case 7:
-        int2_group_avx512<7>(words, groups, g, lo, step, d, qr, o, tp);
-        break;
-      case 6:
-        int2_group_avx512<6>(words, groups, g, lo, step, d, qr, o, tp);
-        break;
-      case 5:
-        int2_group_avx512<5>(words, groups, g, lo, step, d, qr, o, tp);
-        break;
-      case 4:
-        int2_group_avx512<4>(words, groups, g, lo, step, d, qr, o, tp);
-        break;
-      case 3:
-        int2_group_avx512<3>(words, groups, g, lo, step, d, qr, o, tp);
-        break;
-      case 2:
-        int2_group_avx512<2>(words, groups, g, lo, step, d, qr, o, tp);
-        break;
-      case 1:
-        int2_group_avx512<1>(words, groups, g, lo, step, d, qr, o, tp);
-        break;
-      default:
-        break;
+    for (std::uint32_t r = 0; r < n; r += 8) {
+      const std::uint32_t rows = n - r < 8 ? n - r : 8;
+      passes[rows - 1](words, groups, g, lo, step, d, q + std::size_t{r} * d,
+                       dots + std::size_t{r} * tp, tp);
     }
   }
 }
