@@ -87,6 +87,7 @@ TEST_CASE("qminmax_int2_summary: under 10% of the KV bytes at 16-token blocks, h
   const kv_layout l{30, 9, 3, 64, 16, dtype::f16};
   const qminmax_int2_summary s(l, 8);
   const std::size_t bounds = quantized_minmax_summary(l, 8).bytes_per_block();
+  CHECK(bounds == 3 * (2 * 64 + 8) + 6);  // codes, scale, norm a head; bias, token count
   CHECK(s.bytes_per_block() == bounds + 3 * 64 * 16 / 4 + 3);
   const double kv = 2.0 * l.num_kv_heads * l.tokens_per_block * l.head_dim * 2;  // K + V, f16
   CHECK(s.bytes_per_block() / kv < 0.10);

@@ -51,7 +51,7 @@ namespace oasiskv {
 //! `-inf`.
 //!
 //! Models `block_summary`, `two_stage_summary`, `log_mass_summary` and `growable_summary`.
-//! Memory per entry: the bounds' (`num_kv_heads * (2 * head_dim + 8) + 3` bytes) plus
+//! Memory per entry: the bounds' (`num_kv_heads * (2 * head_dim + 8) + 6` bytes) plus
 //! `num_kv_heads * head_dim * tp / 4` bytes of codes (`tp` = `tokens_per_block` rounded up to 16)
 //! and 3 bytes (token count, flag): 9.6% of the KV bytes for 16-token blocks, head_dim 64, f16
 //! K+V (bounds 3.3%, codes 6.25%); plus, for each entry not yet full, `num_kv_heads *

@@ -110,7 +110,9 @@ class quantized_minmax_summary {
   }
 
   std::size_t bytes_per_block() const noexcept {
-    return std::size_t{layout_.num_kv_heads} * (std::size_t{2} * layout_.head_dim + 8) + 3;
+    // codes, scale and norm per KV head; the f32 bias and the u16 token count per entry
+    return std::size_t{layout_.num_kv_heads} * (std::size_t{2} * layout_.head_dim + 8) +
+           sizeof(float) + sizeof(std::uint16_t);
   }
 
   std::uint32_t tokens(std::uint32_t b) const {
