@@ -287,6 +287,36 @@ TEST_CASE("OasisKV with a budget covering the whole context equals dense") {
   }
 }
 
+// Generates from `prompt` with `o` while logging every attend call, then again with each call
+// answered by attention computed independently over the blocks it attended (replay_backend),
+// and checks that the replay gives the same tokens from the same calls. Returns the first run.
+struct logged_run {
+  std::vector<int> tokens;
+  std::vector<attend_record> log;
+  generation_report report;
+};
+logged_run run_logged_and_replayed(const model& m, const std::vector<int>& prompt,
+                                   decoder_options o) {
+  logged_run out;
+  o.backend = [&out](const cache_config& c) {
+    return std::make_unique<logging_backend>(make_kv_backend(c), out.log);
+  };
+  decoder d(m, o);
+  out.tokens = d.generate(prompt);
+  out.report = d.report();
+  replay_backend* replay = nullptr;
+  o.backend = [&out, &replay](const cache_config& c) {
+    auto b = std::make_unique<replay_backend>(c, out.log);
+    replay = b.get();
+    return b;
+  };
+  decoder r(m, o);
+  CHECK(r.generate(prompt) == out.tokens);
+  REQUIRE(replay != nullptr);
+  CHECK(replay->calls() == out.log.size());
+  return out;
+}
+
 TEST_CASE(
     "a small budget's tokens equal attention computed independently over the blocks it attended") {
   const model& m = stories_model();
@@ -305,15 +335,11 @@ TEST_CASE(
       decoder_options o = base;
       o.mode = mode;
       o.draft = k;
-      std::vector<attend_record> log;
-      o.backend = [&log](const cache_config& c) {
-        return std::make_unique<logging_backend>(make_kv_backend(c), log);
-      };
-      const auto sparse = run(m, prompt, o);
-      REQUIRE(sparse.size() == base.max_tokens);
+      const logged_run run = run_logged_and_replayed(m, prompt, o);
+      REQUIRE(run.tokens.size() == base.max_tokens);
       // The selection was sparse: past twice the budget, no table held every block.
       std::size_t past_budget = 0, whole_tables = 0;
-      for (const attend_record& r : log) {
+      for (const attend_record& r : run.log) {
         const std::uint32_t held = (r.length + base.block_tokens - 1) / base.block_tokens;
         if (r.length > 2 * base.budget_tokens) {
           ++past_budget;
@@ -324,16 +350,6 @@ TEST_CASE(
       }
       CHECK(past_budget > 20);
       CHECK(whole_tables == 0);
-      replay_backend* replay = nullptr;
-      o.backend = [&log, &replay](const cache_config& c) {
-        auto b = std::make_unique<replay_backend>(c, log);
-        replay = b.get();
-        return b;
-      };
-      decoder d(m, o);
-      CHECK(d.generate(prompt) == sparse);
-      REQUIRE(replay != nullptr);
-      CHECK(replay->calls() == log.size());
     }
   }
 }
@@ -354,26 +370,15 @@ TEST_CASE(
     CAPTURE(to_string(k));
     CHECK(parse_summary(to_string(k)) == k);
     o.summary = k;
-    std::vector<attend_record> log;
-    o.backend = [&log](const cache_config& c) {
-      return std::make_unique<logging_backend>(make_kv_backend(c), log);
-    };
-    decoder d(m, o);
-    const auto sparse = d.generate(prompt);
-    REQUIRE(sparse.size() == o.max_tokens);
+    const logged_run run = run_logged_and_replayed(m, prompt, o);
+    REQUIRE(run.tokens.size() == o.max_tokens);
     std::size_t sparse_tables = 0;
-    for (const attend_record& r : log) {
+    for (const attend_record& r : run.log) {
       const std::uint32_t held = (r.length + o.block_tokens - 1) / o.block_tokens;
       sparse_tables += held > 8 && r.blocks.table(0, 0).size() == 4 ? 1 : 0;
     }
     CHECK(sparse_tables > 100);
-    bytes.push_back(d.report().summary_bytes);
-    decoder_options replayed = o;
-    replayed.backend = [&log](const cache_config& c) {
-      return std::make_unique<replay_backend>(c, log);
-    };
-    decoder r(m, replayed);
-    CHECK(r.generate(prompt) == sparse);
+    bytes.push_back(run.report.summary_bytes);
   }
   // Per block: int8 bounds < f16 bounds < int8 bounds and a 2-bit code per key element < an int4
   // key per token < the int8 bounds and the int4 keys (the cascade) < an int8 key per token.
