@@ -6,7 +6,7 @@ predictor (16-token blocks, one selection shared by the KV heads, the aggregatio
 
     python3 tools/plot_accuracy.py RESULTS.json --out-dir docs/accuracy [--agg mass] [--block 16]
     python3 tools/plot_accuracy.py RESULTS.json --markdown      # the tables of docs/accuracy.md
-    python3 tools/plot_accuracy.py NEEDLE.json [--out-dir D]     # --task needle / agree: table
+    python3 tools/plot_accuracy.py NEEDLE.json... [--out-dir D]  # --task needle (merged) / agree
 """
 import argparse
 import json
@@ -136,6 +136,27 @@ def plot_needle(doc, out_dir):
         plt.close(fig)
 
 
+def merge_needle(doc, paths):
+    """Adds the configurations of further --task needle files to `doc`: their result rows, and
+    each case's answers joined to the case of the same context, depth and key (a run's dense
+    answers are the same in every file of one build; later files win)."""
+    cases = {(c["context"], c["depth"], c["key"]): c for c in doc["cases"]}
+    for path in paths:
+        d = json.load(open(path))
+        if d.get("task") != "needle":
+            raise SystemExit(f"{path}: not a --task needle file; needle files merge only "
+                             "with each other")
+        doc["results"].update(d["results"])
+        for c in d["cases"]:
+            k = (c["context"], c["depth"], c["key"])
+            if k in cases:
+                cases[k]["answers"].update(c["answers"])
+            else:
+                cases[k] = c
+                doc["cases"].append(c)
+    return doc
+
+
 def plot_agree(doc, out_dir):
     """--task agree: tokens before the first divergence from dense and the share of identical
     continuations per configuration (noise baselines first); agree.png and the table."""
@@ -175,8 +196,11 @@ def main():
     ap.add_argument("--gran", default="shared")
     a = ap.parse_args()
     first = json.load(open(a.json[0]))
-    if first.get("task") in ("needle", "agree"):  # accuracy --task: one file
-        (plot_needle if first["task"] == "needle" else plot_agree)(first, a.out_dir)
+    if first.get("task") == "needle":  # accuracy --task needle: files merged case by case
+        plot_needle(merge_needle(first, a.json[1:]), a.out_dir)
+        return
+    if first.get("task") == "agree":  # accuracy --task agree: one file
+        plot_agree(first, a.out_dir)
         return
     doc = None
     for path in a.json:
