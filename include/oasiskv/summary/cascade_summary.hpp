@@ -36,6 +36,13 @@ struct cascade_params {
   //! Contenders per KV head: `min(blocks, ceil(contender_factor x budget_blocks))`. Finite and
   //! at least 1: the fine stage then always sees at least the blocks the budget can keep.
   float contender_factor = 4.0f;
+
+  //! @brief How many of `blocks` entries stage 1 keeps for a budget of `keep_blocks`:
+  //! `min(blocks, ceil(contender_factor x keep_blocks))`.
+  std::uint32_t contenders(std::uint32_t blocks, std::uint32_t keep_blocks) const noexcept {
+    const double want = std::ceil(double{contender_factor} * keep_blocks);
+    return want >= blocks ? blocks : static_cast<std::uint32_t>(want);
+  }
 };
 
 namespace detail {
@@ -199,8 +206,7 @@ class cascade_summary {
   //! @brief How many of `blocks` entries the first stage keeps for a budget of `keep_blocks`:
   //! `min(blocks, ceil(contender_factor x keep_blocks))`.
   std::uint32_t contenders(std::uint32_t blocks, std::uint32_t keep_blocks) const noexcept {
-    const double want = std::ceil(double{params_.contender_factor} * keep_blocks);
-    return want >= blocks ? blocks : static_cast<std::uint32_t>(want);
+    return params_.contenders(blocks, keep_blocks);
   }
 
   //! @brief Bytes one entry costs: the sum of both parts'.

@@ -104,8 +104,7 @@ class qminmax_int2_summary {
   //! @brief How many of `blocks` entries the first stage keeps for a budget of `keep_blocks`:
   //! `min(blocks, ceil(contender_factor x keep_blocks))`.
   std::uint32_t contenders(std::uint32_t blocks, std::uint32_t keep_blocks) const noexcept {
-    const double want = std::ceil(double{params_.contender_factor} * keep_blocks);
-    return want >= blocks ? blocks : static_cast<std::uint32_t>(want);
+    return params_.contenders(blocks, keep_blocks);
   }
 
   //! @brief Fast-tier bytes of one entry: bounds, codes, token count and flag.

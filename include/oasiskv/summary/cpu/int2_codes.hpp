@@ -85,6 +85,17 @@ inline float int2_reduce_scalar(const float* v, std::uint32_t tokens, float scal
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
+// One dimension of 16 tokens dequantized from its code word: `lo + u_i * step` (a variable
+// shift, a mask, a convert and one FMA).
+OASISKV_TARGET_AVX512 inline __m512 int2_keys16(std::uint32_t word, float lo, float step) {
+  const __m512i shifts =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i codes = _mm512_and_si512(
+      _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts), _mm512_set1_epi32(3));
+  return _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xffff, codes), _mm512_set1_ps(step),
+                         _mm512_set1_ps(lo));
+}
+
 // R query rows against one group of 16 tokens: each dimension's 16 codes are widened and
 // dequantized once (a variable shift, a mask, a convert, one FMA with the bounds) and multiplied
 // into R accumulators of 16 tokens each (no horizontal sums).
@@ -94,19 +105,13 @@ OASISKV_TARGET_AVX512 inline void int2_group_avx512(const std::uint32_t* words,
                                                     const float* lo, const float* step,
                                                     std::uint32_t d, const float* q, float* dots,
                                                     std::uint32_t tp) {
-  const __m512i shifts =
-      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i three = _mm512_set1_epi32(3);
   __m512 acc[R];
   OASISKV_UNROLL(8)
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
   }
   for (std::uint32_t x = 0; x < d; ++x) {
-    const __m512i w = _mm512_set1_epi32(static_cast<int>(words[std::size_t{x} * groups + g]));
-    const __m512 u =
-        _mm512_maskz_cvtepi32_ps(0xffff, _mm512_and_si512(_mm512_srlv_epi32(w, shifts), three));
-    const __m512 k = _mm512_fmadd_ps(u, _mm512_set1_ps(step[x]), _mm512_set1_ps(lo[x]));
+    const __m512 k = int2_keys16(words[std::size_t{x} * groups + g], lo[x], step[x]);
     OASISKV_UNROLL(8)
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[static_cast<std::size_t>(r) * d + x]), k, acc[r]);
@@ -169,19 +174,13 @@ OASISKV_TARGET_AVX512 inline void int2_block_avx512(const std::uint32_t* words, 
                                                     const float* step, std::uint32_t d,
                                                     std::uint32_t tokens, const float* q,
                                                     float scale, float* out) {
-  const __m512i shifts =
-      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i three = _mm512_set1_epi32(3);
   __m512 acc[R];
   OASISKV_UNROLL(12)
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
   }
   for (std::uint32_t x = 0; x < d; ++x) {
-    const __m512i w = _mm512_set1_epi32(static_cast<int>(words[x]));
-    const __m512 u =
-        _mm512_maskz_cvtepi32_ps(0xffff, _mm512_and_si512(_mm512_srlv_epi32(w, shifts), three));
-    const __m512 k = _mm512_fmadd_ps(u, _mm512_set1_ps(step[x]), _mm512_set1_ps(lo[x]));
+    const __m512 k = int2_keys16(words[x], lo[x], step[x]);
     OASISKV_UNROLL(12)
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[static_cast<std::size_t>(r) * d + x]), k, acc[r]);
