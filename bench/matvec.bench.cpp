@@ -10,9 +10,12 @@
 // the same weights, in this process, at the same thread count (median of 11 runs right after the
 // row's timed loop). Rows:
 //   probe/<shape>/<type>/threads:N                 the read-bandwidth probe over the weights
-//   matvec/<shape>/<type>/<int8|f32>/n:T/threads:N matmul_quantized of T tokens, activations
-//                                                  quantized to int8 (integer dot products) or
-//                                                  kept in f32 (weights expanded to f32)
+//   matvec/<shape>/<type>/<int8|int8_rows|f32>/n:T/threads:N
+//                                                  matmul_quantized of T tokens, activations
+//                                                  quantized to int8 (integer dot products) over
+//                                                  the panel copies (int8; where the CPU has
+//                                                  AVX-512 VNNI) or the stored rows (int8_rows),
+//                                                  or kept in f32 (weights expanded to f32)
 //   prefill_sgemm/<shape>/<type>/n:T/threads:N     matmul_prefill (weights expanded, OpenBLAS
 //                                                  sgemm): the batched f32 baseline
 // Shapes: smollm2 (1536 x 576, SmolLM2-135M's FFN up/gate) and llama8b (4096 x 4096, a
@@ -35,9 +38,11 @@
 #include <string>
 #include <vector>
 
+#include "common.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/isa.hpp"
 #include "quant.hpp"
+#include "quant_int8.hpp"
 #include "read_probe.hpp"
 
 namespace {
@@ -54,7 +59,8 @@ constexpr std::size_t weight_bytes = std::size_t{256} << 20;
 // A set of matrices of one shape and type, adjacent in one buffer, 256 MiB in all.
 struct fixture {
   std::vector<std::byte> mem;
-  std::vector<weight_matrix> mats;
+  std::vector<weight_matrix> mats;  // rows in `mem`, with their panel copies where there are
+  page_buffer panels;               // the panel copies (pack_panels), as the model loader makes
 };
 
 fixture& get_fixture(const shape& s, quant_type t) {
@@ -81,6 +87,14 @@ fixture& get_fixture(const shape& s, quant_type t) {
     }
     for (std::size_t i = 0; i < count; ++i) {
       f->mats.push_back(weight_matrix{t, f->mem.data() + i * mb, s.rows, s.cols, rb});
+    }
+    if (panel_matmul_kernel(t) != nullptr) {
+      const std::size_t pb = panel_bytes(f->mats.front());
+      f->panels = page_buffer(pb * count);
+      for (std::size_t i = 0; i < count; ++i) {
+        pack_panels(f->mats[i], f->panels.data() + i * pb);
+        f->mats[i].panels = f->panels.data() + i * pb;
+      }
     }
   }
   return *f;
@@ -130,11 +144,16 @@ void bm_probe(benchmark::State& state, const shape* s, quant_type t, int threads
 }
 
 void bm_matvec(benchmark::State& state, const shape* s, quant_type t, matmul_activations act,
-               std::uint32_t n, int threads) {
+               bool panels, std::uint32_t n, int threads) {
   set_num_threads(threads);
   const matmul_activations before = get_matmul_activations();
   set_matmul_activations(act);
-  const fixture& f = get_fixture(*s, t);
+  fixture& f = get_fixture(*s, t);
+  std::vector<const std::byte*> saved;
+  for (weight_matrix& w : f.mats) {  // the row-layout rows multiply without the panel copies
+    saved.push_back(w.panels);
+    w.panels = panels ? w.panels : nullptr;
+  }
   std::vector<float> x(std::size_t{n} * s->cols), y(std::size_t{n} * s->rows);
   std::mt19937 rng(2);
   std::normal_distribution<float> g;
@@ -156,8 +175,11 @@ void bm_matvec(benchmark::State& state, const shape* s, quant_type t, matmul_act
       static_cast<double>(bytes) / secs / reference_bandwidth(f.mem);
   state.counters["tokens_x_rows_per_s"] = benchmark::Counter(
       static_cast<double>(state.iterations()) * n * s->rows, benchmark::Counter::kIsRate);
-  state.SetLabel(matmul_isa());
+  state.SetLabel(matmul_isa() + (panels && f.mats.front().panels != nullptr ? " panels" : " rows"));
   set_matmul_activations(before);
+  for (std::size_t i = 0; i < f.mats.size(); ++i) {
+    f.mats[i].panels = saved[i];
+  }
 }
 
 void bm_prefill_sgemm(benchmark::State& state, const shape* s, quant_type t, std::uint32_t n,
@@ -185,11 +207,18 @@ const int registered = [] {
         benchmark::RegisterBenchmark(("probe/" + st + ts).c_str(), bm_probe, &s, t, th)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
-        for (const matmul_activations a : {matmul_activations::int8, matmul_activations::f32}) {
+        struct path {
+          const char* name;
+          matmul_activations act;
+          bool panels;
+        };
+        for (const path p : {path{"int8", matmul_activations::int8, true},
+                             path{"int8_rows", matmul_activations::int8, false},
+                             path{"f32", matmul_activations::f32, false}}) {
           for (const std::uint32_t n : {1u, 4u, 16u, 64u}) {
             benchmark::RegisterBenchmark(
-                ("matvec/" + st + "/" + to_string(a) + "/n:" + std::to_string(n) + ts).c_str(),
-                bm_matvec, &s, t, a, n, th)
+                ("matvec/" + st + "/" + p.name + "/n:" + std::to_string(n) + ts).c_str(), bm_matvec,
+                &s, t, p.act, p.panels, n, th)
                 ->Unit(benchmark::kMicrosecond)
                 ->UseRealTime();
           }

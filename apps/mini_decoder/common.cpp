@@ -40,4 +40,25 @@ mapped_file::~mapped_file() {
   }
 }
 
+page_buffer::page_buffer(std::size_t bytes) : size_(bytes) {
+  if (bytes == 0) {
+    return;
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    size_ = 0;
+    fail("cannot allocate ", bytes, " bytes: ", std::strerror(errno));
+  }
+#ifdef MADV_HUGEPAGE
+  ::madvise(p, bytes, MADV_HUGEPAGE);  // advisory: without THP the pages are just smaller
+#endif
+  data_ = static_cast<std::byte*>(p);
+}
+
+page_buffer::~page_buffer() {
+  if (data_ != nullptr) {
+    ::munmap(data_, size_);
+  }
+}
+
 }  // namespace mini_decoder

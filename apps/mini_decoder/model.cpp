@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "quant_int8.hpp"
+
 namespace mini_decoder {
 
 std::unique_ptr<model> load_model(const std::string& path, const std::string& tokenizer_path) {
@@ -71,7 +73,34 @@ std::unique_ptr<model> load_gguf_model(const std::string& path) {
     m->layers.push_back(w);
   }
   m->tok = make_bpe_tokenizer(g);
+  pack_weight_panels(*m);
   return m;
+}
+
+void pack_weight_panels(model& m) {
+  if (panel_matmul_kernel(quant_type::q4_1) == nullptr) {
+    return;  // no AVX-512 VNNI: the row kernels read the stored rows
+  }
+  std::vector<weight_matrix*> mats{&m.output};
+  for (layer_weights& l : m.layers) {
+    for (weight_matrix* w : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down}) {
+      mats.push_back(w);
+    }
+  }
+  std::size_t total = 0;
+  for (const weight_matrix* w : mats) {
+    total += panel_bytes(*w);
+  }
+  m.panels = page_buffer(total);
+  std::size_t at = 0;
+  for (weight_matrix* w : mats) {
+    const std::size_t bytes = panel_bytes(*w);
+    if (bytes != 0) {
+      pack_panels(*w, m.panels.data() + at);
+      w->panels = m.panels.data() + at;
+      at += bytes;
+    }
+  }
 }
 
 std::unique_ptr<model> load_llama2c_model(const std::string& path,

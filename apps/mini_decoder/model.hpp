@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common.hpp"
 #include "gguf.hpp"
 #include "quant.hpp"
 #include "tokenizer.hpp"
@@ -40,7 +41,14 @@ struct model {
   // Backing storage: the mapped file(s); loaders keep whatever owns the bytes above here.
   std::unique_ptr<gguf_file> gguf;
   mapped_file llama2c;
+  page_buffer panels;  // the products' panel copies of the matrices (`pack_weight_panels`)
 };
+
+//! Repacks every Q4_1 and Q8_0 matrix the forward pass multiplies (the layers' and the output's;
+//! not the embedding, which is read by row) into panels of 16 rows for the AVX-512 VNNI
+//! products, in one buffer owned by `m`, and points the matrices at it. Does nothing where the
+//! CPU lacks AVX-512 VNNI (the other paths read rows). `load_model` calls it.
+void pack_weight_panels(model& m);
 
 //! Loads a GGUF (by magic) or llama2.c checkpoint. For llama2.c the tokenizer is
 //! `tokenizer_path`, or tok<vocab>.bin / tokenizer.bin beside the model. Throws `decoder_error`.

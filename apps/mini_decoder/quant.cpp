@@ -514,7 +514,18 @@ void matmul_quantized(const weight_matrix& w, const float* x, std::uint32_t n, f
       q8_activations& a = buffer;  // the workers read the calling thread's buffer
       quantize_activations(x, n, w.cols, a);
       const int8_matmul_fn fn = int8_matmul_kernel(w.type, c.dot);
-      for_row_chunks(w.rows, [&](std::uint32_t r0, std::uint32_t r1) { fn(w, a, y, r0, r1); });
+      const panel_matmul_fn pf = w.panels != nullptr && c.dot == dot_isa::avx512_vnni
+                                     ? panel_matmul_kernel(w.type)
+                                     : nullptr;
+      const std::uint32_t panels = pf != nullptr ? w.rows / panel_rows : 0;
+      static_assert(panel_rows == 16, "for_row_chunks hands out 16-row chunks: one panel each");
+      for_row_chunks(w.rows, [&](std::uint32_t r0, std::uint32_t r1) {
+        if (r0 / panel_rows < panels) {
+          pf(w, a, y, r0 / panel_rows);
+        } else {
+          fn(w, a, y, r0, r1);
+        }
+      });
       return;
     }
     if (k_quant) {

@@ -32,6 +32,9 @@ struct weight_matrix {
   const std::byte* data = nullptr;
   std::uint32_t rows = 0, cols = 0;
   std::size_t row_stride = 0;  // bytes per row
+  //! The same weights repacked in panels of 16 rows (quant_int8.hpp, `pack_panels`) for the
+  //! AVX-512 VNNI products, or null; rows past the last whole panel are read from `data`.
+  const std::byte* panels = nullptr;
   const std::byte* row(std::uint32_t r) const { return data + std::size_t{r} * row_stride; }
 };
 

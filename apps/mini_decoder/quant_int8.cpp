@@ -21,6 +21,24 @@ namespace {
 constexpr std::size_t q4_1_bytes = 20;  // f16 d, f16 m, 16 bytes of nibbles
 constexpr std::size_t q8_0_bytes = 34;  // f16 d, 32 int8
 
+// The panel layout (quant_int8.hpp, `panel_bytes`): per block of 16 rows, the scale bytes and
+// the value bytes.
+constexpr std::size_t q4_1_panel_scale = 64, q4_1_panel_values = 256;
+constexpr std::size_t q8_0_panel_scale = 32, q8_0_panel_values = 512;
+
+std::size_t round64(std::size_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+std::size_t panel_scale_area(quant_type t, std::uint32_t blocks) {
+  return round64(blocks * (t == quant_type::q4_1 ? q4_1_panel_scale : q8_0_panel_scale));
+}
+
+std::size_t panel_stride(quant_type t, std::uint32_t blocks) {
+  return panel_scale_area(t, blocks) +
+         std::size_t{blocks} * (t == quant_type::q4_1 ? q4_1_panel_values : q8_0_panel_values);
+}
+
 std::uint16_t load_u16(const std::byte* p) {
   std::uint16_t v;
   std::memcpy(&v, p, 2);
@@ -87,15 +105,19 @@ OASISKV_TARGET_AVX2 inline float load_f16c(const std::byte* p) {
   return _cvtsh_ss(load_u16(p));
 }
 
-// Decode streams the weights once: a software prefetch this far ahead of the kernel keeps
-// enough lines in flight for one core to reach the memory's read bandwidth (the hardware
-// prefetcher alone leaves a single-threaded product at about half of it). Prefetches past the
-// end of the weights are harmless.
+// Decode streams the weights once. The hardware prefetcher alone leaves a single-threaded
+// product at about half of the read bandwidth; software prefetches of the lines this far ahead
+// into L1 (the line-fill buffers bound how many are in flight), and of the lines 16 KiB ahead
+// into L2 (whose queue holds more misses), keep more of them in flight: 1.2-1.35x on
+// `matvec_bench` over the L1 prefetch alone. Prefetches past the end of the weights are harmless.
 constexpr std::size_t prefetch_distance = 1280;
+constexpr std::size_t prefetch_l2_distance = 16384;
 
 OASISKV_TARGET_AVX2 inline void prefetch_ahead(const std::byte* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + prefetch_distance, _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(p) + prefetch_distance + 64, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + prefetch_l2_distance, _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + prefetch_l2_distance + 64, _MM_HINT_T1);
 }
 
 // ---- AVX2: maddubs (u8 x s8 -> s16 pairs), madd to s32 ------------------------------------
@@ -315,6 +337,141 @@ OASISKV_TARGET_AVX512VNNI void matmul_avx512(const weight_matrix& w, const q8_ac
   }
 }
 
+// ---- AVX-512 VNNI over panels of 16 rows (pack_panels) -----------------------------------
+
+// Four bytes of activations, broadcast to every int32 lane (an embedded broadcast operand).
+OASISKV_TARGET_AVX512 inline __m512i broadcast4(const std::int8_t* x) {
+  std::int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// `prefetch_ahead` for every line of a block's values.
+template <std::size_t Lines>
+OASISKV_TARGET_AVX512 inline void prefetch_panel(const std::byte* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (std::size_t i = 0; i < Lines; ++i) {
+    _mm_prefetch(c + prefetch_distance + 64 * i, _MM_HINT_T0);
+    _mm_prefetch(c + prefetch_l2_distance + 64 * i, _MM_HINT_T1);
+  }
+}
+
+// Q4_1: per block, the 16 rows' nibbles are unpacked once into 8 registers and each token
+// takes 8 `vpdpbusd` (two chains of 4) against its broadcast activations; then
+// acc += isum * (d_w * d_x) and off += m_w * s_x, lane i being row i.
+template <std::uint32_t NT>
+OASISKV_TARGET_AVX512VNNI void q4_1_panel_avx512(const std::byte* panel, std::uint32_t blocks,
+                                                 const q8_activations& a, std::uint32_t t0,
+                                                 float* y, std::size_t y_stride) {
+  __m512 acc[NT], off[NT];
+  for (std::uint32_t t = 0; t < NT; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    off[t] = _mm512_setzero_ps();
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const std::byte* values = panel + panel_scale_area(quant_type::q4_1, blocks);
+  const std::size_t qs = a.q_stride(), ds = a.d_stride();
+  for (std::uint32_t b = 0; b < blocks; ++b) {
+    const std::byte* v = values + std::size_t{b} * q4_1_panel_values;
+    prefetch_panel<4>(v);
+    const __m512i sc = _mm512_load_si512(panel + std::size_t{b} * q4_1_panel_scale);
+    const __m512 wd = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
+    const __m512 wm = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sc, 1));
+    __m512i w[8];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i c = _mm512_load_si512(v + 64 * k);
+      w[k] = _mm512_and_si512(c, low4);
+      w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+    }
+    for (std::uint32_t t = 0; t < NT; ++t) {
+      const std::size_t tt = t0 + t;
+      const std::int8_t* x = a.q.data() + tt * qs + std::size_t{b} * 32;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(x));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(x + 16));
+      for (int k = 1; k < 4; ++k) {
+        s0 = _mm512_dpbusd_epi32(s0, w[k], broadcast4(x + 4 * k));
+        s1 = _mm512_dpbusd_epi32(s1, w[k + 4], broadcast4(x + 16 + 4 * k));
+      }
+      const std::size_t di = tt * ds + b;
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                               _mm512_mul_ps(wd, _mm512_set1_ps(a.d[di])), acc[t]);
+      off[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.s[di]), off[t]);
+    }
+  }
+  for (std::uint32_t t = 0; t < NT; ++t) {
+    _mm512_storeu_ps(y + t * y_stride, _mm512_add_ps(acc[t], off[t]));
+  }
+}
+
+// Q8_0: the stored values are w + 128 (unsigned), so each block's sum is corrected by
+// 128 * sum(x_q): d_w * (d_x * isum - 128 * s_x), with s_x = d_x * sum(x_q).
+template <std::uint32_t NT>
+OASISKV_TARGET_AVX512VNNI void q8_0_panel_avx512(const std::byte* panel, std::uint32_t blocks,
+                                                 const q8_activations& a, std::uint32_t t0,
+                                                 float* y, std::size_t y_stride) {
+  __m512 acc[NT];
+  for (std::uint32_t t = 0; t < NT; ++t) {
+    acc[t] = _mm512_setzero_ps();
+  }
+  const std::byte* values = panel + panel_scale_area(quant_type::q8_0, blocks);
+  const std::size_t qs = a.q_stride(), ds = a.d_stride();
+  for (std::uint32_t b = 0; b < blocks; ++b) {
+    const std::byte* v = values + std::size_t{b} * q8_0_panel_values;
+    prefetch_panel<8>(v);
+    const __m512 wd = _mm512_cvtph_ps(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + b * q8_0_panel_scale)));
+    for (std::uint32_t t = 0; t < NT; ++t) {
+      const std::size_t tt = t0 + t;
+      const std::int8_t* x = a.q.data() + tt * qs + std::size_t{b} * 32;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(v), broadcast4(x));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(v + 64 * 4),
+                                       broadcast4(x + 16));
+      for (int k = 1; k < 4; ++k) {
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_load_si512(v + 64 * k), broadcast4(x + 4 * k));
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_load_si512(v + 64 * (k + 4)),
+                                 broadcast4(x + 16 + 4 * k));
+      }
+      const std::size_t di = tt * ds + b;
+      const __m512 sum = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                         _mm512_set1_ps(a.d[di]), _mm512_set1_ps(128.0f * a.s[di]));
+      acc[t] = _mm512_fmadd_ps(wd, sum, acc[t]);
+    }
+  }
+  for (std::uint32_t t = 0; t < NT; ++t) {
+    _mm512_storeu_ps(y + t * y_stride, acc[t]);
+  }
+}
+
+template <bool Q4>
+OASISKV_TARGET_AVX512VNNI void panel_avx512(const weight_matrix& w, const q8_activations& a,
+                                            float* y, std::uint32_t p) {
+  constexpr auto tile1 = Q4 ? q4_1_panel_avx512<1> : q8_0_panel_avx512<1>;
+  constexpr auto tile2 = Q4 ? q4_1_panel_avx512<2> : q8_0_panel_avx512<2>;
+  constexpr auto tile3 = Q4 ? q4_1_panel_avx512<3> : q8_0_panel_avx512<3>;
+  constexpr auto tile4 = Q4 ? q4_1_panel_avx512<4> : q8_0_panel_avx512<4>;
+  const std::uint32_t blocks = w.cols / 32;
+  const std::byte* panel = w.panels + std::size_t{p} * panel_stride(w.type, blocks);
+  float* yp = y + std::size_t{p} * panel_rows;
+  std::uint32_t t = 0;
+  for (; t + 4 <= a.n; t += 4) {
+    tile4(panel, blocks, a, t, yp + std::size_t{t} * w.rows, w.rows);
+  }
+  float* yt = yp + std::size_t{t} * w.rows;
+  switch (a.n - t) {
+    case 3:
+      tile3(panel, blocks, a, t, yt, w.rows);
+      break;
+    case 2:
+      tile2(panel, blocks, a, t, yt, w.rows);
+      break;
+    case 1:
+      tile1(panel, blocks, a, t, yt, w.rows);
+      break;
+    default:
+      break;
+  }
+}
+
 #endif  // OASISKV_X86_KERNELS
 
 }  // namespace
@@ -443,6 +600,71 @@ int8_matmul_fn int8_matmul_kernel(quant_type t, dot_isa isa) {
     default:
       return q4 ? q4_1_scalar : q8_0_scalar;
   }
+}
+
+std::size_t panel_bytes(const weight_matrix& w) {
+  if ((w.type != quant_type::q4_1 && w.type != quant_type::q8_0) || w.cols % 32 != 0) {
+    return 0;
+  }
+  return std::size_t{w.rows / panel_rows} * panel_stride(w.type, w.cols / 32);
+}
+
+void pack_panels(const weight_matrix& w, std::byte* out) {
+  const std::size_t bytes = panel_bytes(w);
+  if (bytes == 0) {
+    fail("pack_panels: ", to_string(w.type), " matrix of ", w.rows, " x ", w.cols,
+         " has no panel layout");
+  }
+  if (reinterpret_cast<std::uintptr_t>(out) % 64 != 0) {
+    fail("pack_panels: the output is not 64-byte aligned");
+  }
+  const bool q4 = w.type == quant_type::q4_1;
+  const std::uint32_t blocks = w.cols / 32;
+  const std::size_t stride = panel_stride(w.type, blocks),
+                    scale_area = panel_scale_area(w.type, blocks);
+  const std::size_t bb = q4 ? q4_1_bytes : q8_0_bytes;
+  const std::size_t per_scale = q4 ? q4_1_panel_scale : q8_0_panel_scale;
+  const std::size_t per_values = q4 ? q4_1_panel_values : q8_0_panel_values;
+  std::memset(out, 0, bytes);
+  for (std::uint32_t p = 0; p < w.rows / panel_rows; ++p) {
+    std::byte* panel = out + std::size_t{p} * stride;
+    for (std::uint32_t b = 0; b < blocks; ++b) {
+      std::byte* sc = panel + std::size_t{b} * per_scale;
+      auto* v = reinterpret_cast<std::uint8_t*>(panel + scale_area + std::size_t{b} * per_values);
+      for (std::uint32_t i = 0; i < panel_rows; ++i) {
+        const std::byte* blk = w.row(p * panel_rows + i) + std::size_t{b} * bb;
+        std::memcpy(sc + 2 * i, blk, 2);  // d
+        if (q4) {
+          std::memcpy(sc + 32 + 2 * i, blk + 2, 2);  // m
+          const auto* nib = reinterpret_cast<const std::uint8_t*>(blk + 4);
+          for (std::uint32_t e = 0; e < 16; ++e) {  // value e (low nibble), 16 + e (high)
+            const std::uint32_t k = e / 4, j = e % 4;
+            v[64 * k + 4 * i + j] = nib[e];  // Q4_1 stores exactly this pairing
+          }
+        } else {
+          const auto* q = reinterpret_cast<const std::int8_t*>(blk + 2);
+          for (std::uint32_t e = 0; e < 32; ++e) {
+            v[64 * (e / 4) + 4 * i + e % 4] = static_cast<std::uint8_t>(q[e] + 128);
+          }
+        }
+      }
+    }
+  }
+}
+
+panel_matmul_fn panel_matmul_kernel(quant_type t) {
+#if OASISKV_X86_KERNELS
+  if (dot_isa_supported(dot_isa::avx512_vnni)) {
+    if (t == quant_type::q4_1) {
+      return panel_avx512<true>;
+    }
+    if (t == quant_type::q8_0) {
+      return panel_avx512<false>;
+    }
+  }
+#endif
+  (void)t;
+  return nullptr;
 }
 
 }  // namespace mini_decoder

@@ -45,4 +45,33 @@ using int8_matmul_fn = void (*)(const weight_matrix& w, const q8_activations& a,
 //! The kernel of `isa` for `t` (Q4_1 or Q8_0); throws when the CPU lacks `isa`.
 int8_matmul_fn int8_matmul_kernel(quant_type t, dot_isa isa);
 
+//! Rows per panel of the repacked layout: `matmul_quantized` splits rows into chunks of this
+//! many, so a chunk is a panel.
+inline constexpr std::uint32_t panel_rows = 16;
+
+//! Bytes of `w`'s panel copy (`pack_panels`): its first `rows / 16 * 16` rows, repacked, 64-byte
+//! multiples per panel; 0 for types without a panel layout (only Q4_1 and Q8_0 have one).
+//!
+//! A panel holds 16 rows side by side, so that one `vpdpbusd` computes 4 products of each of the
+//! 16 rows against the same 4 activations (broadcast) and its 16 int32 lanes are the 16 rows'
+//! partial sums: no horizontal sums, and every byte of a 64-byte load is used. A panel of `nb`
+//! 32-value blocks is a scale area, then a value area:
+//! - Q4_1: per block 16 f16 `d` then 16 f16 `m` (64 bytes); per block four 64-byte chunks, byte
+//!   `4 i + j` of chunk `k` holding row `i`'s value `4 k + j` in its low nibble and value
+//!   `16 + 4 k + j` in its high nibble. Same bytes as the rows: 320 per block of 16 rows.
+//! - Q8_0: per block 16 f16 `d` (32 bytes, the area padded to 64); per block eight 64-byte
+//!   chunks, byte `4 i + j` of chunk `k` holding row `i`'s value `4 k + j` plus 128 (the
+//!   unsigned operand of `vpdpbusd`; the kernel subtracts 128 times the activations' sum).
+std::size_t panel_bytes(const weight_matrix& w);
+//! Writes `w`'s panel copy into `out` (`panel_bytes(w)` bytes, 64-byte aligned).
+void pack_panels(const weight_matrix& w, std::byte* out);
+
+//! Panel `p` (rows `[16 p, 16 p + 16)`) of y[t][r] = sum_c w[r][c] * x_q[t][c], from
+//! `w.panels`. Computes each token's sums in the same order whatever `a.n` is.
+using panel_matmul_fn = void (*)(const weight_matrix& w, const q8_activations& a, float* y,
+                                 std::uint32_t p);
+//! The AVX-512 VNNI panel kernel for `t` (Q4_1 or Q8_0); null where the CPU lacks AVX-512 VNNI
+//! or `t` has no panel layout.
+panel_matmul_fn panel_matmul_kernel(quant_type t);
+
 }  // namespace mini_decoder

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "quant.hpp"
 #include "quant_int8.hpp"
@@ -262,4 +263,159 @@ TEST_CASE("quant int8: settings and bad input") {
   CHECK(matmul_isa() == "scalar int8");
   set_matmul_activations(matmul_activations::f32);
   CHECK(matmul_isa() == "scalar f32");
+}
+
+namespace {
+
+// A matrix's panel copy in page-aligned memory, as the model loader makes it.
+struct panel_copy {
+  page_buffer mem;
+  panel_copy(weight_matrix& w) : mem(panel_bytes(w)) {
+    pack_panels(w, mem.data());
+    w.panels = mem.data();
+  }
+};
+
+// Reads row r's value c back out of the panel layout (quant_int8.hpp), independently of the
+// kernels: the stored quant byte (Q8_0: the signed value; Q4_1: the nibble) and the block's d
+// (and m) bits.
+struct panel_value {
+  int q;
+  std::uint16_t d, m;
+};
+panel_value read_panel(const weight_matrix& w, std::uint32_t r, std::uint32_t c) {
+  const bool q4 = w.type == quant_type::q4_1;
+  const std::uint32_t blocks = w.cols / 32, b = c / 32, e = c % 32, i = r % 16;
+  const std::size_t scale = q4 ? 64 : 32, values = q4 ? 256 : 512;
+  const std::size_t scale_area = (blocks * scale + 63) / 64 * 64;
+  const std::byte* panel = w.panels + std::size_t{r / 16} * (scale_area + blocks * values);
+  panel_value v{};
+  std::memcpy(&v.d, panel + b * scale + 2 * i, 2);
+  const auto* vals = reinterpret_cast<const std::uint8_t*>(panel + scale_area + b * values);
+  if (q4) {
+    std::memcpy(&v.m, panel + b * scale + 32 + 2 * i, 2);
+    const std::uint32_t k = (e % 16) / 4, j = e % 4;
+    const std::uint8_t byte = vals[64 * k + 4 * i + j];
+    v.q = e < 16 ? byte & 0x0F : byte >> 4;
+  } else {
+    v.q = int{vals[64 * (e / 4) + 4 * i + e % 4]} - 128;
+  }
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("quant int8: the panel copy holds every whole panel's values and scales") {
+  std::mt19937 rng(19);
+  for (const quant_type t : {quant_type::q4_1, quant_type::q8_0}) {
+    for (const std::uint32_t cols : {32u, 64u, 96u, 576u}) {
+      test_matrix m(t, 37, cols, rng);
+      CAPTURE(to_string(t));
+      CAPTURE(cols);
+      const std::size_t scale = t == quant_type::q4_1 ? 64 : 32,
+                        per = t == quant_type::q4_1 ? 256 : 512;
+      CHECK(panel_bytes(m.w) == 2 * ((cols / 32 * scale + 63) / 64 * 64 + cols / 32 * per));
+      panel_copy pc(m.w);
+      for (std::uint32_t r = 0; r < 32; ++r) {  // rows 32-36 are no whole panel
+        const std::byte* row = m.w.row(r);
+        for (std::uint32_t c = 0; c < cols; ++c) {
+          const panel_value v = read_panel(m.w, r, c);
+          const std::byte* blk = row + (c / 32) * block_bytes(t);
+          std::uint16_t d, mm = 0;
+          std::memcpy(&d, blk, 2);
+          int q;
+          if (t == quant_type::q4_1) {
+            std::memcpy(&mm, blk + 2, 2);
+            const auto nib = static_cast<std::uint8_t>(blk[4 + c % 16]);
+            q = c % 32 < 16 ? nib & 0x0F : nib >> 4;
+          } else {
+            q = static_cast<std::int8_t>(blk[2 + c % 32]);
+          }
+          CHECK(v.q == q);
+          CHECK(v.d == d);
+          CHECK(v.m == mm);
+        }
+      }
+    }
+  }
+  std::vector<std::byte> f16(64 * 32 * 2);
+  const weight_matrix h{quant_type::f16, f16.data(), 32, 32, 64};
+  CHECK(panel_bytes(h) == 0);
+  CHECK(error_of([&] { pack_panels(h, nullptr); }).find("F16") != std::string::npos);
+  test_matrix q(quant_type::q8_0, 16, 64, rng);
+  page_buffer mem(panel_bytes(q.w) + 64);
+  CHECK(error_of([&] { pack_panels(q.w, mem.data() + 8); }).find("aligned") != std::string::npos);
+}
+
+TEST_CASE("quant int8: the panel kernels equal the double model, whatever the token count") {
+  std::mt19937 rng(23);
+  if (panel_matmul_kernel(quant_type::q4_1) == nullptr) {
+    MESSAGE("no AVX-512 VNNI on this CPU: the panel kernels do not run here");
+    CHECK((panel_matmul_kernel(quant_type::q8_0) == nullptr));
+    return;
+  }
+  for (const quant_type t : {quant_type::q4_1, quant_type::q8_0}) {
+    for (const std::uint32_t cols : {32u, 64u, 160u, 576u}) {
+      const std::uint32_t rows = 48, n = 7;  // 4 + 3 tokens: two tiles
+      test_matrix m(t, rows, cols, rng);
+      panel_copy pc(m.w);
+      const auto x = random_activations(n, cols, rng);
+      q8_activations a;
+      quantize_activations(x.data(), n, cols, a);
+      CAPTURE(to_string(t));
+      CAPTURE(cols);
+      std::vector<float> y(std::size_t{n} * rows, std::nanf(""));
+      for (std::uint32_t p = 0; p < rows / 16; ++p) {
+        panel_matmul_kernel(t)(m.w, a, y.data(), p);
+      }
+      for (std::uint32_t tok = 0; tok < n; ++tok) {
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          const double want = model_dot(m.w, r, a, tok);
+          const double tol = 1e-5 * abs_dot(m.w, r, a, tok) + 1e-6;
+          CHECK(std::abs(double{y[tok * rows + r]} - want) <= tol);  // false for a NaN
+        }
+      }
+      // One token at a time: bit-identical sums.
+      for (std::uint32_t tok = 0; tok < n; ++tok) {
+        q8_activations one;
+        quantize_activations(x.data() + std::size_t{tok} * cols, 1, cols, one);
+        std::vector<float> y_one(rows);
+        for (std::uint32_t p = 0; p < rows / 16; ++p) {
+          panel_matmul_kernel(t)(m.w, one, y_one.data(), p);
+        }
+        CHECK(std::memcmp(y_one.data(), y.data() + std::size_t{tok} * rows, rows * sizeof(float)) ==
+              0);
+      }
+    }
+  }
+}
+
+TEST_CASE("quant int8: matmul_quantized over panels and a tail of rows equals the model") {
+  std::mt19937 rng(29);
+  matmul_settings_guard guard;
+  set_matmul_activations(matmul_activations::int8);
+  for (const quant_type t : {quant_type::q4_1, quant_type::q8_0}) {
+    const std::uint32_t rows = 53, cols = 576, n = 2;  // 3 panels, then 5 rows read by row
+    test_matrix m(t, rows, cols, rng);
+    panel_copy pc(m.w);
+    const auto x = random_activations(n, cols, rng);
+    q8_activations a;
+    quantize_activations(x.data(), n, cols, a);
+    for (const dot_isa isa : paths_here()) {  // the panels serve only the AVX-512 VNNI path
+      CAPTURE(to_string(t));
+      CAPTURE(to_string(isa));
+      force_matmul_isa(isa == dot_isa::scalar ? "scalar"
+                       : isa == dot_isa::avx2 ? "avx2"
+                                              : "avx512");
+      std::vector<float> y(std::size_t{n} * rows, std::nanf(""));
+      matmul_quantized(m.w, x.data(), n, y.data());
+      for (std::uint32_t tok = 0; tok < n; ++tok) {
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          const double want = model_dot(m.w, r, a, tok);
+          const double tol = 1e-5 * abs_dot(m.w, r, a, tok) + 1e-6;
+          CHECK(std::abs(double{y[tok * rows + r]} - want) <= tol);
+        }
+      }
+    }
+  }
 }
