@@ -142,8 +142,9 @@ TEST_CASE("qminmax_int2_summary: every coded element lies within half a code ste
 }
 
 TEST_CASE("qminmax_int2_summary: scores and log-mass of the dequantized keys on every path") {
-  // 16-token blocks: one group of codes per dimension; 20: two (the second partly used).
-  for (const std::uint32_t full : {16u, 20u}) {
+  // 12- and 16-token blocks: one group of codes per dimension (12: its lanes partly used); 20:
+  // two (the second partly used).
+  for (const std::uint32_t full : {12u, 16u, 20u}) {
     const kv_layout l{1, 8, 2, 64, full, dtype::f16};
     constexpr std::uint32_t blocks = 12;
     host_tier pool(l, blocks);

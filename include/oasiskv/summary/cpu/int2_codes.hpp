@@ -186,17 +186,37 @@ OASISKV_TARGET_AVX512 inline void int2_block_avx512(const std::uint32_t* words, 
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[static_cast<std::size_t>(r) * d + x]), k, acc[r]);
     }
   }
+  // The epilogue for all rows at once: the 16 rows' maxima in one register, then their sums of
+  // exponentials in another, and one vector log.
   const __mmask16 live = tail16(0, tokens);
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int r = 0; r < R; ++r) {
-    const float m = _mm512_mask_reduce_max_ps(live, acc[r]);
-    if (scale == 0.0f || !std::isfinite(m)) {
-      out[r] = m;
-      continue;
-    }
-    const __m512 e = exp16_normal(_mm512_mul_ps(sv, _mm512_sub_ps(acc[r], _mm512_set1_ps(m))));
-    out[r] = m + std::log(_mm512_mask_reduce_add_ps(live, e)) / scale;
+  const __mmask16 rows = static_cast<__mmask16>((1u << R) - 1u);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 v[16];
+  OASISKV_UNROLL(16)
+  for (int r = 0; r < 16; ++r) {
+    v[r] = r < R ? _mm512_mask_mov_ps(ninf, live, acc[r]) : ninf;
   }
+  const __m512 m = transpose_reduce16<true>(v);
+  if (scale == 0.0f) {
+    _mm512_mask_storeu_ps(out, rows, m);
+    return;
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  OASISKV_UNROLL(16)
+  for (int r = 0; r < 16; ++r) {
+    v[r] =
+        r < R ? _mm512_maskz_mov_ps(
+                    live,
+                    exp16_normal(_mm512_mul_ps(
+                        sv, _mm512_sub_ps(acc[r], _mm512_permutexvar_ps(_mm512_set1_epi32(r), m)))))
+              : _mm512_setzero_ps();
+  }
+  const __m512 sum = transpose_reduce16<false>(v);
+  // A finite maximum contributes exp(0) = 1, so sum >= 1; other rows keep their maximum.
+  const __mmask16 finite = _mm512_cmp_ps_mask(
+      _mm512_abs_ps(m), _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ);
+  const __m512 lse = _mm512_add_ps(m, _mm512_div_ps(log16_avx512(sum), sv));
+  _mm512_mask_storeu_ps(out, rows, _mm512_mask_mov_ps(m, finite, lse));
 }
 
 // int2_block_avx512 for n rows, in passes of up to 12.
