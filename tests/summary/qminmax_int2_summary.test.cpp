@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -71,6 +72,14 @@ double model(const std::vector<std::vector<float>>& keys, const float* q, float 
     sum += std::exp(scale * (v - m));
   }
   return m + std::log(sum) / scale;
+}
+
+double max_abs(const float* v, std::uint32_t count) {
+  double m = 0.0;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    m = std::max(m, std::abs(double{v[i]}));
+  }
+  return m;
 }
 
 std::vector<cpu_isa> paths() {
@@ -160,6 +169,8 @@ TEST_CASE("qminmax_int2_summary: scores and log-mass of the dequantized keys on 
         s.update(b, pool.slot_data(b), 0, fill[b]);
         CHECK(s.tokens(b) == fill[b]);
       }
+      const bool integer =
+          isa == cpu_isa::avx512 && detected_cpu_features().avx512_vnni && full <= 16;
       std::vector<std::uint32_t> ids(blocks);
       std::iota(ids.begin(), ids.end(), 0u);
       std::reverse(ids.begin(), ids.end());
@@ -187,13 +198,29 @@ TEST_CASE("qminmax_int2_summary: scores and log-mass of the dequantized keys on 
                 }
               }
               for (std::uint32_t r = 0; r < n; ++r) {
-                const double expect = model(keys, q.data() + std::size_t{r} * l.head_dim, scale);
+                const float* qr = q.data() + std::size_t{r} * l.head_dim;
+                const double expect = model(keys, qr, scale);
                 const float got = out[i * n + r];
                 if (std::isinf(expect)) {
                   CHECK(got == static_cast<float>(expect));
                 } else {
                   REQUIRE(std::isfinite(got));
-                  CHECK(got == doctest::Approx(expect).epsilon(1e-5));
+                  // The integer kernel (coded entries of one code group, AVX-512 VNNI) rounds
+                  // the row to alpha Q, alpha = max |q| / limit: each dot product moves by at
+                  // most alpha / 2 sum |k'|, and so does a log-sum-exp of them.
+                  double slack = 0.0;
+                  if (integer && fill[b] == full) {
+                    const double alpha =
+                        max_abs(qr, l.head_dim) / detail::int2_query_limit(l.head_dim);
+                    for (const auto& k : keys) {
+                      double sum = 0.0;
+                      for (const float v : k) {
+                        sum += std::abs(double{v});
+                      }
+                      slack = std::max(slack, alpha / 2 * sum * (1.0 + 1e-3));
+                    }
+                  }
+                  CHECK(std::abs(got - expect) <= 1e-5 * std::max(1.0, std::abs(expect)) + slack);
                 }
               }
             }
@@ -369,4 +396,87 @@ TEST_CASE("qminmax_int2_summary: non-finite keys, reset, growth and bad input") 
     expect_error([&] { qminmax_int2_summary(l, 4, cascade_params{bad}); }, errc::invalid_argument,
                  "contender_factor = ");
   }
+}
+
+TEST_CASE("qminmax_int2_summary: the block kernels against the portable one") {
+  // Kernel level, so that each kernel runs on a CPU that has it: the f32 AVX-512 kernel (what
+  // AVX-512 without VNNI scores with) against the portable one, and the integer VNNI kernel
+  // against it within its query rounding, at head dims 64 and 128 (the int32 headroom).
+  if (!detected_cpu_features().avx512) {
+    MESSAGE("no AVX-512 on this CPU: only the portable kernel runs here");
+    return;
+  }
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<std::uint32_t> word;
+  std::uniform_int_distribution<int> code(-128, 127);
+  for (const std::uint32_t d : {64u, 128u}) {
+    for (const std::uint32_t tokens : {12u, 16u}) {
+      // Bounds as int8 codes at a power-of-two scale, in the bound-word layout, and as floats.
+      const float s = 0.0625f;
+      std::vector<std::uint32_t> words(d), bound(d / 2);
+      std::vector<float> lo(d), step(d);
+      for (std::uint32_t p = 0; p < d / 2; ++p) {
+        std::int8_t b[4];
+        for (int j = 0; j < 2; ++j) {
+          int h = code(rng), l = code(rng);
+          if (h < l) {
+            std::swap(h, l);
+          }
+          l = std::max(l, -127);  // -lo must fit in int8
+          b[2 * j] = static_cast<std::int8_t>(h);
+          b[2 * j + 1] = static_cast<std::int8_t>(-l);
+          lo[2 * p + j] = static_cast<float>(l) * s;
+          step[2 * p + j] = h > l ? static_cast<float>(h - l) * s / 3.0f : 0.0f;
+        }
+        std::memcpy(&bound[p], b, 4);
+      }
+      for (auto& w : words) {
+        w = word(rng);
+      }
+      for (const std::uint32_t n : {1u, 5u, 12u, 13u}) {
+        const auto q = random_rows(n, d, 7 + n + d);
+        for (const float scale : {0.0f, 0.125f}) {
+          CAPTURE(d);
+          CAPTURE(tokens);
+          CAPTURE(n);
+          CAPTURE(scale);
+          std::vector<float> want(n), f32(n), integer(n), dots(std::size_t{n} * 16);
+          detail::int2_score_entry(cpu_isa::scalar, words.data(), 1, lo.data(), step.data(), d,
+                                   tokens, q.data(), n, scale, dots.data(), want.data());
+          detail::int2_score_entry(cpu_isa::avx512, words.data(), 1, lo.data(), step.data(), d,
+                                   tokens, q.data(), n, scale, dots.data(), f32.data());
+          for (std::uint32_t r = 0; r < n; ++r) {
+            CHECK(std::abs(f32[r] - want[r]) <= 1e-5f * std::max(1.0f, std::abs(want[r])));
+          }
+          if (!detected_cpu_features().avx512_vnni) {
+            continue;
+          }
+          detail::int2_query z;
+          REQUIRE(detail::int2_quantize_query(q.data(), n, d, z));
+          detail::int2_block_rows_vnni(words.data(), bound.data(), s, tokens, z, scale,
+                                       integer.data());
+          for (std::uint32_t r = 0; r < n; ++r) {
+            const float* qr = q.data() + std::size_t{r} * d;
+            double keys_abs = 0.0;  // the largest sum |k'| over the live tokens
+            for (std::uint32_t t = 0; t < tokens; ++t) {
+              double sum = 0.0;
+              for (std::uint32_t x = 0; x < d; ++x) {
+                sum += std::abs(
+                    detail::int2_value(lo[x], step[x], detail::int2_code(words.data(), 1, x, t)));
+              }
+              keys_abs = std::max(keys_abs, sum * (1.0 + 1e-3));
+            }
+            const double slack = max_abs(qr, d) / detail::int2_query_limit(d) / 2 * keys_abs;
+            CHECK(std::abs(integer[r] - want[r]) <=
+                  1e-5 * std::max(1.0, std::abs(double{want[r]})) + slack);
+          }
+        }
+      }
+    }
+  }
+  // A row with a non-finite value is not quantized: the caller scores it in f32.
+  detail::int2_query z;
+  std::vector<float> bad(64, 1.0f);
+  bad[9] = std::numeric_limits<float>::quiet_NaN();
+  CHECK_FALSE(detail::int2_quantize_query(bad.data(), 1, 64, z));
 }

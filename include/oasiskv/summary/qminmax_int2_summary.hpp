@@ -99,6 +99,7 @@ class qminmax_int2_summary {
   void set_isa(cpu_isa isa) {
     bounds_.set_isa(isa);
     isa_ = resolve_isa(isa);
+    vnni_ = isa_ == cpu_isa::avx512 && detected_cpu_features().avx512_vnni;
   }
 
   //! @brief How many of `blocks` entries the first stage keeps for a budget of `keep_blocks`:
@@ -422,9 +423,17 @@ class qminmax_int2_summary {
     constexpr float inf = std::numeric_limits<float>::infinity();
     const std::uint32_t d = layout_.head_dim, tpb = layout_.tokens_per_block;
     thread_local std::vector<float> lo, step, dots;
+    thread_local std::vector<std::uint32_t> bound;
+    thread_local detail::int2_query z;
     lo.resize(d);
     step.resize(d);
+    bound.resize(d / 2);
     dots.resize(std::size_t{n} * std::max(groups_ * lanes, tpb));
+#if OASISKV_X86_KERNELS
+    // The integer kernel: one group of codes, a head dimension its buffers take, finite rows.
+    const bool integer = vnni_ && groups_ == 1 && d % 32 == 0 && d <= detail::int2_vnni_max_dim &&
+                         detail::int2_quantize_query(q, n, d, z);
+#endif
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const std::uint32_t b = entries[i];
       float* o = out + i * n;
@@ -433,6 +442,13 @@ class qminmax_int2_summary {
       } else if (bad_[b] != 0) {
         std::fill(o, o + n, inf);
       } else if (tokens_[b] == tpb) {
+#if OASISKV_X86_KERNELS
+        if (integer) {
+          const float s = bounds_.bound_words(h, b, bound.data());
+          detail::int2_block_rows_vnni(codes_of(h, b), bound.data(), s, tpb, z, scale, o);
+          continue;
+        }
+#endif
         range(h, b, lo.data(), step.data());
         detail::int2_score_entry(isa_, codes_of(h, b), groups_, lo.data(), step.data(), d, tpb, q,
                                  n, scale, dots.data(), o);
@@ -482,8 +498,9 @@ class qminmax_int2_summary {
   quantized_minmax_summary bounds_;
   std::uint32_t capacity_;
   cpu_isa isa_ = cpu_isa::scalar;
-  std::uint32_t groups_ = 0;                            // token groups of 16 per block
-  std::size_t words_ = 0;                               // code words per (entry, KV head)
+  bool vnni_ = false;         // AVX-512 with VNNI: whole 16-token entries take the integer kernel
+  std::uint32_t groups_ = 0;  // token groups of 16 per block
+  std::size_t words_ = 0;     // code words per (entry, KV head)
   std::vector<std::uint32_t> codes_;                    // [kv heads][capacity][head_dim][groups]
   std::vector<std::uint16_t> tokens_;                   // [capacity]: distinct tokens
   std::vector<std::uint8_t> bad_;                       // [capacity]: 1 if a key is non-finite

@@ -251,6 +251,24 @@ class quantized_minmax_summary {
     }
   }
 
+  //! @brief The bounds of entry `b`, KV head `h`, as stored: for each dimension pair `p` one
+  //! 32-bit word of `words` (`head_dim / 2` of them) holding the int8 codes `hi_2p`, `-lo_2p`,
+  //! `hi_2p+1`, `-lo_2p+1` in its bytes 0-3, in units of the returned power-of-two scale (0 for an
+  //! empty entry). For integer kernels built on the bounds; `bounds` gives the same as floats.
+  //! `errc::out_of_range` for an entry or head out of range.
+  float bound_words(std::uint32_t h, std::uint32_t b, std::uint32_t* words) const {
+    check_entry(b);
+    if (h >= layout_.num_kv_heads) [[unlikely]] {
+      detail::raise(errc::out_of_range, "quantized_minmax_summary::bound_words: kv head ", h,
+                    " >= num_kv_heads = ", layout_.num_kv_heads);
+    }
+    const std::int8_t* tile = codes_.data() + (std::size_t{h} * tiles_ + b / lanes) * tile_bytes_;
+    for (std::uint32_t p = 0; p < layout_.head_dim / 2; ++p) {
+      std::memcpy(words + p, tile + detail::qminmax_at(2 * p, 0, b % lanes), 4);
+    }
+    return scale_[slot(h, b)];
+  }
+
   //! @brief `out[i * n + r]` = the bound of query row `r` (of `q`, `[n][head_dim]`) over entry
   //! `entries[i]` of KV head `h`.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
