@@ -42,7 +42,9 @@ class shared_cache final : public batch_engine::cache {
   shared_cache(const oasiskv::kv_layout& l, std::uint32_t slow_slots, std::uint32_t fast_slots,
                oasiskv::cache_options o, unsigned threads)
       : cache_(oasiskv::host_tier(l, slow_slots), oasiskv::host_tier(l, fast_slots), o, {},
-               bundles::attention_kernel(threads, pool_)) {}
+               bundles::attention_kernel(threads, pool_)) {
+    bundles::share_pool_with_predictor(cache_, pool_.get());
+  }
   oasiskv::sequence_id add() override { return cache_.add_sequence(); }
   void remove(oasiskv::sequence_id seq) override { cache_.remove(seq); }
   void append(oasiskv::sequence_id seq, std::uint32_t layer, const std::uint16_t* k,

@@ -101,4 +101,14 @@ inline oasiskv::cpu::sparse_decode attention_kernel(
   return oasiskv::cpu::sparse_decode(threads);
 }
 
+//! Lets `cache`'s predictor score the KV heads of each selection in parallel on `pool` (the
+//! engine's pool that `attention_kernel` shared, so the predictor takes its turn on it too),
+//! where the predictor can (the summary-scoring ones); nothing for a null pool.
+template <class Cache>
+void share_pool_with_predictor(Cache& cache, oasiskv::cpu::thread_pool* pool) {
+  if constexpr (requires { cache.predictor().set_thread_pool(pool); }) {
+    cache.predictor().set_thread_pool(pool);
+  }
+}
+
 }  // namespace mini_decoder::bundles

@@ -99,7 +99,9 @@ class backend final : public kv_backend {
                attention_kernel(threads, pool_)),
         seq_(cache_.add_sequence()),
         fast_slots_(fast_slots),
-        slow_slots_(slow_slots) {}
+        slow_slots_(slow_slots) {
+    share_pool_with_predictor(cache_, pool_.get());
+  }
 
   void append(std::uint32_t layer, const std::uint16_t* k, const std::uint16_t* v,
               std::uint32_t n) override {

@@ -471,6 +471,12 @@ class tiered_kv_cache {
 
   // -- observation ------------------------------------------------------------------------------
 
+  //! @brief The predictor, for its own settings (e.g. `set_thread_pool` of the summary-scoring
+  //! predictors). Change them only while no `lookahead` or `attend` call is running.
+  predictor_type& predictor() noexcept { return predictor_; }
+  //! @brief The predictor (const).
+  const predictor_type& predictor() const noexcept { return predictor_; }
+
   cache_stats stats() const {
     std::lock_guard lock(mutex_);
     cache_stats s = stats_;

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/concepts/importance_predictor.hpp"
 #include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
@@ -27,6 +28,7 @@
 #include "oasiskv/predictor/recency_predictor.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
+#include "oasiskv/summary/qminmax_int2_summary.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #include "support/kv_fixture.hpp"
@@ -964,6 +966,41 @@ TEST_CASE_TEMPLATE("importance predictor: target_mass 0 is the fixed budget; ada
       if constexpr (reads_queries<P>) {
         CHECK(taken <= counted * sp.budget_blocks);
       }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("summary-scoring predictors: KV heads scored on a pool select the same blocks",
+                   S, minmax_summary<>, qminmax_int2_summary) {
+  // 4 KV heads (more than the pool's threads), both granularities, 1 and 4 lookahead tokens:
+  // the heads are scored concurrently and folded in order, so the tables are identical.
+  const kv_layout l{1, 8, 4, 64, 16, dtype::f16};
+  cpu::thread_pool pool(2);
+  for (const std::uint32_t tokens : {1u, 4u}) {
+    world<S> w(l, 3000, tokens, 31 + tokens);
+    const selection_params sp{24, 1, 2};
+    CAPTURE(tokens);
+    {
+      lookahead_predictor<S> serial, parallel;
+      parallel.set_thread_pool(&pool);
+      CHECK(parallel.thread_pool() == &pool);
+      selection a, b;
+      for (int round = 0; round < 3; ++round) {  // scratch reused across calls
+        serial.select(w.input(), sp, a);
+        parallel.select(w.input(), sp, b);
+        CHECK(a.offsets == b.offsets);
+        CHECK(a.blocks == b.blocks);
+      }
+    }
+    {
+      lookahead_predictor<S, softmax_mass_aggregation, per_kv_head_selection> serial, parallel;
+      parallel.set_thread_pool(&pool);
+      selection a, b;
+      serial.select(w.input(), sp, a);
+      parallel.select(w.input(), sp, b);
+      CHECK(a.tables == l.num_kv_heads);
+      CHECK(a.offsets == b.offsets);
+      CHECK(a.blocks == b.blocks);
     }
   }
 }

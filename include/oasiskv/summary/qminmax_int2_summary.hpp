@@ -55,9 +55,14 @@ namespace oasiskv {
 //! `num_kv_heads * head_dim * tp / 4` bytes of codes (`tp` = `tokens_per_block` rounded up to 16)
 //! and 3 bytes (token count, flag): 9.6% of the KV bytes for 16-token blocks, head_dim 64, f16
 //! K+V (bounds 3.3%, codes 6.25%); plus, for each entry not yet full, `num_kv_heads *
-//! tokens_per_block * head_dim` f32 keys. `cpu_isa::avx512` scores with an AVX-512 kernel (16
-//! tokens x up to 8 query rows per pass, the polynomial `exp`); every other path with the portable
-//! one (same products, another summation order, `std::exp`). Concurrent scoring calls are safe;
+//! tokens_per_block * head_dim` f32 keys. Scoring paths: `cpu_isa::avx512` on a CPU with
+//! AVX-512 VNNI scores whole entries of up to 16 tokens (head_dim a multiple of 32, at most 256)
+//! with 16-bit integer products (`vpdpwssd`): each query row is rounded to `alpha Q` with 16-bit
+//! `Q` once per call, which moves a score by at most `alpha / 2 * sum_x |k'_x|`, far below the
+//! codes' own error; other entries, and AVX-512 without VNNI, take an f32 AVX-512 kernel (16
+//! tokens x up to 12 rows per pass); both end in one vector epilogue for all rows (the
+//! polynomial `exp` and `log`). Every other path takes the portable kernel (f32 products,
+//! `std::exp`). Concurrent scoring calls are safe;
 //! `update`, `reset` and `grow` need exclusive access.
 class qminmax_int2_summary {
   static constexpr std::uint32_t lanes = detail::int2_lanes;
