@@ -7,7 +7,9 @@
 # tokens/s of the same prompts (llama-bench: pp of the prompt's length), at each thread count. Writes a JSON
 # with every figure, the ratios and llama.cpp's version, and prints a table.
 #
-#   scripts/llama-compare.sh [--threads "1 2"] [--contexts "1k 4k 8k"] [--out FILE]
+#   scripts/llama-compare.sh [--threads "1 2"] [--contexts "1k 4k 8k"] [--summary S] [--out FILE]
+#
+# --summary picks OasisKV's block summary (mini_decoder --summary: int2, the default, minmax, ...).
 #
 # llama.cpp comes from the source that the llama-cpp-python sdist on PyPI carries
 # (vendor/llama.cpp), built once into build/llama.cpp/ with AVX-512 and VNNI on and AMX off
@@ -19,12 +21,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 threads="1 2"
 contexts="1k 4k 8k"
 out=build/llama-compare.json
+summary=int2
 while [ $# -gt 0 ]; do
   case "$1" in
     --threads) threads=$2; shift 2 ;;
     --contexts) contexts=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+    --summary) summary=$2; shift 2 ;;
+    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -69,7 +73,8 @@ for t in $threads; do
     head -c "${bytes[$c]}" "$work/all" >"$work/doc"
     printf '\n\nQuestion: list the components of OasisKV that the document above describes.' >>"$work/doc"
     "$bin" --model "$model" --prompt-file "$work/doc" --chat --max-tokens 64 --ignore-eos \
-      --mode oasis --budget 1024 --compare dense --threads "$t" --attention-threads "$t" \
+      --mode oasis --budget 1024 --summary "$summary" --compare dense --threads "$t" \
+      --attention-threads "$t" \
       --quiet >"$work/md-$c-$t.txt" 2>&1 || { cat "$work/md-$c-$t.txt" >&2; exit 1; }
     grep -E "prompt tokens|prefill tokens/s|decode tokens/s" "$work/md-$c-$t.txt"
     prompt=$(awk '/prompt tokens/ {print $3}' "$work/md-$c-$t.txt")
@@ -82,9 +87,9 @@ for t in $threads; do
 done
 
 mkdir -p "$(dirname "$out")"
-python3 - "$work" "$out" "$version" "$threads" "$contexts" <<'EOF'
+python3 - "$work" "$out" "$version" "$threads" "$contexts" "$summary" <<'EOF'
 import json, re, subprocess, sys
-work, out, version, threads, contexts = sys.argv[1:6]
+work, out, version, threads, contexts, summary = sys.argv[1:7]
 def md(c, t):
     rows = {}
     for line in open(f"{work}/md-{c}-{t}.txt"):
@@ -95,7 +100,7 @@ def md(c, t):
 def llama(kind, c, t):
     return json.load(open(f"{work}/{kind}-{c}-{t}.json"))[0]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
-result = {"machine": cpu, "llama_cpp": {"source": version}, "rows": []}
+result = {"machine": cpu, "llama_cpp": {"source": version}, "oasis_summary": summary, "rows": []}
 for t in threads.split():
     for c in contexts.split():
         m, tg, pp = md(c, t), llama("tg", c, t), llama("pp", c, t)

@@ -76,6 +76,66 @@ inline float int2_reduce_scalar(const float* v, std::uint32_t tokens, float scal
   return m + std::log(sum) / scale;
 }
 
+// ---- AVX-512 VNNI: 16-bit integer products ------------------------------------------------
+//
+// With the bounds as int8 codes `H`, `L` at a power-of-two scale `s` (quantized_minmax_summary),
+// `k'_x = s (L_x + u_x D_x / 3)` with `D = H - L`, and a query row quantized to 16-bit integers,
+// `q ~ alpha Q`, a dot product is `alpha s (C + A / 3)` with the integers `C = sum_x Q_x L_x` and
+// `A = sum_x Q_x u_x D_x`. `vpdpwssd` multiplies pairs of dimensions, 32 products per
+// instruction (twice the f32 FMA's 16): per pair of dimensions the 16 tokens' codes are widened
+// to 16-bit lanes (a byte shuffle, a variable shift, a mask), multiplied by the pair's `D`, and
+// multiplied into every row's accumulator; the rows' `C` come from one more accumulator whose
+// lanes are the rows.
+
+//! The query rows of one scoring call, quantized for `int2_block_vnni`.
+struct int2_query {
+  std::uint32_t n = 0, d = 0;
+  std::vector<float> alpha;           //!< [n]: row r ~ alpha[r] * Q_r
+  std::vector<std::int32_t> pairs;    //!< [n][d / 2]: (Q_2p, Q_2p+1) as the low / high int16
+  std::vector<std::int32_t> columns;  //!< [passes of 12 rows][d / 2][16]: the pairs, rows in lanes
+};
+
+//! The largest |Q| for head dimension `d`: `d * Q * 3 * 254` (the largest `A`) fits in int32.
+inline std::int32_t int2_query_limit(std::uint32_t d) noexcept {
+  const std::int64_t limit =
+      std::int64_t{std::numeric_limits<std::int32_t>::max()} / (762 * std::int64_t{d});
+  return static_cast<std::int32_t>(std::min<std::int64_t>(32767, limit));
+}
+
+//! Quantizes `n` rows of `d` (even) values per row, `alpha = max |q| / int2_query_limit(d)`
+//! (0 for an all-zero row). False if a value is not finite (the caller scores in f32 instead).
+inline bool int2_quantize_query(const float* q, std::uint32_t n, std::uint32_t d, int2_query& z) {
+  const std::int32_t limit = int2_query_limit(d);
+  const std::uint32_t half = d / 2, passes = (n + 11) / 12;
+  z.n = n;
+  z.d = d;
+  z.alpha.assign(n, 0.0f);
+  z.pairs.assign(std::size_t{n} * half, 0);
+  z.columns.assign(std::size_t{passes} * half * 16, 0);
+  for (std::uint32_t r = 0; r < n; ++r) {
+    const float* row = q + std::size_t{r} * d;
+    float amax = 0.0f;
+    for (std::uint32_t x = 0; x < d; ++x) {
+      if (!std::isfinite(row[x])) {
+        return false;
+      }
+      amax = std::max(amax, std::fabs(row[x]));
+    }
+    const float alpha = amax / static_cast<float>(limit);
+    z.alpha[r] = alpha;
+    const float inv = alpha > 0.0f ? 1.0f / alpha : 0.0f;
+    for (std::uint32_t p = 0; p < half; ++p) {
+      const auto lo = static_cast<std::int32_t>(std::nearbyint(row[2 * p] * inv));
+      const auto hi = static_cast<std::int32_t>(std::nearbyint(row[2 * p + 1] * inv));
+      const std::int32_t word = static_cast<std::int32_t>(
+          (static_cast<std::uint32_t>(hi) << 16) | (static_cast<std::uint32_t>(lo) & 0xffffu));
+      z.pairs[std::size_t{r} * half + p] = word;
+      z.columns[(std::size_t{r / 12} * half + p) * 16 + r % 12] = word;
+    }
+  }
+  return true;
+}
+
 #if OASISKV_X86_KERNELS
 
 // As in math_avx512.hpp: gcc 12's unmasked AVX-512 intrinsics (the variable shift, the
@@ -246,78 +306,6 @@ OASISKV_TARGET_AVX512 inline void int2_block_rows_avx512(const std::uint32_t* wo
     passes[rows - 1](words, lo, step, d, tokens, q + std::size_t{r} * d, scale, out + r);
   }
 }
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif  // OASISKV_X86_KERNELS
-
-// ---- AVX-512 VNNI: 16-bit integer products ------------------------------------------------
-//
-// With the bounds as int8 codes `H`, `L` at a power-of-two scale `s` (quantized_minmax_summary),
-// `k'_x = s (L_x + u_x D_x / 3)` with `D = H - L`, and a query row quantized to 16-bit integers,
-// `q ~ alpha Q`, a dot product is `alpha s (C + A / 3)` with the integers `C = sum_x Q_x L_x` and
-// `A = sum_x Q_x u_x D_x`. `vpdpwssd` multiplies pairs of dimensions, 32 products per
-// instruction (twice the f32 FMA's 16): per pair of dimensions the 16 tokens' codes are widened
-// to 16-bit lanes (a byte shuffle, a variable shift, a mask), multiplied by the pair's `D`, and
-// multiplied into every row's accumulator; the rows' `C` come from one more accumulator whose
-// lanes are the rows.
-
-//! The query rows of one scoring call, quantized for `int2_block_vnni`.
-struct int2_query {
-  std::uint32_t n = 0, d = 0;
-  std::vector<float> alpha;           //!< [n]: row r ~ alpha[r] * Q_r
-  std::vector<std::int32_t> pairs;    //!< [n][d / 2]: (Q_2p, Q_2p+1) as the low / high int16
-  std::vector<std::int32_t> columns;  //!< [passes of 12 rows][d / 2][16]: the pairs, rows in lanes
-};
-
-//! The largest |Q| for head dimension `d`: `d * Q * 3 * 254` (the largest `A`) fits in int32.
-inline std::int32_t int2_query_limit(std::uint32_t d) noexcept {
-  const std::int64_t limit =
-      std::int64_t{std::numeric_limits<std::int32_t>::max()} / (762 * std::int64_t{d});
-  return static_cast<std::int32_t>(std::min<std::int64_t>(32767, limit));
-}
-
-//! Quantizes `n` rows of `d` (even) values per row, `alpha = max |q| / int2_query_limit(d)`
-//! (0 for an all-zero row). False if a value is not finite (the caller scores in f32 instead).
-inline bool int2_quantize_query(const float* q, std::uint32_t n, std::uint32_t d, int2_query& z) {
-  const std::int32_t limit = int2_query_limit(d);
-  const std::uint32_t half = d / 2, passes = (n + 11) / 12;
-  z.n = n;
-  z.d = d;
-  z.alpha.assign(n, 0.0f);
-  z.pairs.assign(std::size_t{n} * half, 0);
-  z.columns.assign(std::size_t{passes} * half * 16, 0);
-  for (std::uint32_t r = 0; r < n; ++r) {
-    const float* row = q + std::size_t{r} * d;
-    float amax = 0.0f;
-    for (std::uint32_t x = 0; x < d; ++x) {
-      if (!std::isfinite(row[x])) {
-        return false;
-      }
-      amax = std::max(amax, std::fabs(row[x]));
-    }
-    const float alpha = amax / static_cast<float>(limit);
-    z.alpha[r] = alpha;
-    const float inv = alpha > 0.0f ? 1.0f / alpha : 0.0f;
-    for (std::uint32_t p = 0; p < half; ++p) {
-      const auto lo = static_cast<std::int32_t>(std::nearbyint(row[2 * p] * inv));
-      const auto hi = static_cast<std::int32_t>(std::nearbyint(row[2 * p + 1] * inv));
-      const std::int32_t word = static_cast<std::int32_t>(
-          (static_cast<std::uint32_t>(hi) << 16) | (static_cast<std::uint32_t>(lo) & 0xffffu));
-      z.pairs[std::size_t{r} * half + p] = word;
-      z.columns[(std::size_t{r / 12} * half + p) * 16 + r % 12] = word;
-    }
-  }
-  return true;
-}
-
-#if OASISKV_X86_KERNELS
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
 
 //! The most dimensions the VNNI kernel's stack buffers hold.
 inline constexpr std::uint32_t int2_vnni_max_dim = 256;
