@@ -19,8 +19,10 @@ class batch_engine::cache {
   //! k, v: [n][kv_heads][head_dim] f16 bit patterns.
   virtual void append(oasiskv::sequence_id seq, std::uint32_t layer, const std::uint16_t* k,
                       const std::uint16_t* v, std::uint32_t n) = 0;
-  //! One step's query of `seq`, [q_heads][head_dim]: predicts its next step's blocks.
-  virtual void lookahead(oasiskv::sequence_id seq, std::uint32_t layer, const float* q) = 0;
+  //! One step's query per sequence, q [seqs][q_heads][head_dim]: predicts each one's next
+  //! step's blocks (all of them scored together).
+  virtual void lookahead(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
+                         const float* q) = 0;
   //! One query per sequence: q, out [seqs][q_heads][head_dim]; lse [seqs][q_heads].
   virtual void attend(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
                       const float* q, float* out, float* lse) = 0;
@@ -51,8 +53,9 @@ class shared_cache final : public batch_engine::cache {
               const std::uint16_t* v, std::uint32_t n) override {
     cache_.append(seq, layer, k, v, n);
   }
-  void lookahead(oasiskv::sequence_id seq, std::uint32_t layer, const float* q) override {
-    cache_.lookahead(seq, layer, oasiskv::query_view{q, nullptr, 1});
+  void lookahead(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
+                 const float* q) override {
+    cache_.lookahead(seqs, layer, q, 1);
   }
   void attend(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer, const float* q,
               float* out, float* lse) override {
@@ -324,7 +327,7 @@ void batch_engine::retire_finished() {
 }
 
 // One layer of a batched step: each sequence commits its new token's K,V, then one attend over
-// every active sequence (one query each), then each query predicts its sequence's next step.
+// every active sequence (one query each), then their queries predict their next step together.
 void batch_engine::attend_layer(std::uint32_t l, std::uint32_t n, const float* q, const float* k,
                                 const float* v, float* out) {
   to_f16_bits(k, v, std::size_t{n} * kv_dim_, k16_, v16_);
@@ -334,11 +337,9 @@ void batch_engine::attend_layer(std::uint32_t l, std::uint32_t n, const float* q
   }
   const model_config& c = m_.config;
   lse_.resize(std::size_t{n} * c.num_heads);
-  cache_->attend(std::span<const oasiskv::sequence_id>(seq_ids_.data(), n), l, q, out, lse_.data());
-  const std::size_t qd = std::size_t{c.num_heads} * c.head_dim;
-  for (std::uint32_t i = 0; i < n; ++i) {
-    cache_->lookahead(seq_ids_[i], l, q + i * qd);
-  }
+  const std::span<const oasiskv::sequence_id> seqs(seq_ids_.data(), n);
+  cache_->attend(seqs, l, q, out, lse_.data());
+  cache_->lookahead(seqs, l, q);
 }
 
 void batch_engine::decode_step() {

@@ -391,6 +391,81 @@ class tiered_kv_cache {
     }
   }
 
+  //! @brief `lookahead` for several sequences in one layer: `q` is
+  //! `[seqs][q_len][num_q_heads][head_dim]`, sequence i's queries predicting its next `attend`.
+  //! A predictor that scores a batch together (`select_many`, as `lookahead_predictor` does)
+  //! scores every (sequence, KV head) pair in one loop on its thread pool, so a batch keeps the
+  //! threads busy where one sequence's few KV heads would not; otherwise each sequence is
+  //! predicted in turn. The selections equal those of one `lookahead` per sequence, in order.
+  //! Every sequence is checked and every prediction made before any is kept: on an error from
+  //! either (an unknown or repeated sequence, an empty layer, bad queries) no sequence's pending
+  //! prediction changes. The prefetches then start in sequence order. A no-op for predictors
+  //! that run at attention time.
+  void lookahead(std::span<const sequence_id> seqs, std::uint32_t layer, const float* q,
+                 std::uint32_t q_len) {
+    if constexpr (predictor_type::timing == prediction_timing::lookahead) {
+      if (seqs.empty() || q == nullptr) [[unlikely]] {
+        detail::raise(errc::invalid_argument, "lookahead: no sequences, or null queries");
+      }
+      const std::size_t stride = std::size_t{q_len} * layout_.num_q_heads * layout_.head_dim;
+      std::lock_guard lock(mutex_);
+      batch_.states.clear();
+      for (std::size_t i = 0; i < seqs.size(); ++i) {
+        layer_state& ls = find(seqs[i], "lookahead").layer(layer, layout_);
+        check_queries(query_view{q + i * stride, nullptr, q_len}, "lookahead");
+        if (ls.tokens == 0) [[unlikely]] {
+          detail::raise(errc::invalid_argument, "lookahead: sequence ",
+                        static_cast<std::uint64_t>(seqs[i]), " layer ", layer, " holds no tokens");
+        }
+        if (std::find(batch_.states.begin(), batch_.states.end(), &ls) != batch_.states.end())
+            [[unlikely]] {
+          detail::raise(errc::invalid_argument, "lookahead: sequence ",
+                        static_cast<std::uint64_t>(seqs[i]), " appears more than once");
+        }
+        batch_.states.push_back(&ls);
+      }
+      const std::size_t n = seqs.size();
+      if (batch_.selections.size() < n) {
+        batch_.selections.resize(n);
+        batch_.ids.resize(n);
+      }
+      const auto start = std::chrono::steady_clock::now();
+      if constexpr (requires(std::span<const prediction_input<summary_type>> in,
+                             std::span<selection* const> out) {
+                      predictor_.select_many(in, step_selection_params(), out);
+                    }) {
+        batch_.inputs.clear();
+        batch_.outs.clear();
+        for (std::size_t i = 0; i < n; ++i) {
+          batch_.inputs.push_back(input_for(
+              *batch_.states[i], query_view{q + i * stride, nullptr, q_len}, batch_.ids[i]));
+          batch_.outs.push_back(&batch_.selections[i]);
+        }
+        predictor_.select_many(std::span<const prediction_input<summary_type>>(batch_.inputs),
+                               step_selection_params(), std::span<selection* const>(batch_.outs));
+      } else {
+        for (std::size_t i = 0; i < n; ++i) {
+          predictor_.select(input_for(*batch_.states[i], query_view{q + i * stride, nullptr, q_len},
+                                      batch_.ids[i]),
+                            step_selection_params(), batch_.selections[i]);
+        }
+      }
+      stats_.predict_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      for (std::size_t i = 0; i < n; ++i) {
+        layer_state& ls = *batch_.states[i];
+        ls.pending.emplace();
+        std::swap(*ls.pending, batch_.selections[i]);
+        sources_.clear();
+        collect_sources(ls, *ls.pending, sources_);
+        scheduler_.prefetch(sources_);
+        ++stats_.lookaheads;
+      }
+    } else {
+      (void)seqs, (void)layer, (void)q, (void)q_len;
+    }
+  }
+
   //! @brief Attention of `q_len` new tokens per sequence in `layer` over the blocks selected for
   //! them. `q` is `[seqs][q_len][num_q_heads][head_dim]`; `out` likewise; `lse` is
   //! `[seqs][q_len][num_q_heads]` (may be null). The new tokens must already be appended.
@@ -636,23 +711,32 @@ class tiered_kv_cache {
     return per_cache[this];
   }
 
-  void predict(const layer_state& ls, query_view queries, selection& out) {
+  prediction_input<summary_type> input_for(const layer_state& ls, query_view queries,
+                                           std::vector<std::uint32_t>& ids) {
     prediction_input<summary_type> in;
     in.layout = layout_;
     in.seq_len = ls.tokens;
     if constexpr (has_summary) {
       in.summaries = &entries_.summaries();
     }
-    in.summary_ids = entries_.entries_of(ls.blocks, summary_ids_);
+    in.summary_ids = entries_.entries_of(ls.blocks, ids);
     in.queries = queries;
     if constexpr (addressable_tier<slow_tier_type>) {
       in.keys = slow_.view();
       in.key_slots = ls.blocks;
     }
-    const selection_params sp{budget_blocks(), options_.sink_blocks, options_.recent_blocks,
-                              options_.target_mass, block_cap_};
+    return in;
+  }
+
+  selection_params step_selection_params() const {
+    return {budget_blocks(), options_.sink_blocks, options_.recent_blocks, options_.target_mass,
+            block_cap_};
+  }
+
+  void predict(const layer_state& ls, query_view queries, selection& out) {
+    const prediction_input<summary_type> in = input_for(ls, queries, summary_ids_);
     const auto start = std::chrono::steady_clock::now();
-    predictor_.select(in, sp, out);
+    predictor_.select(in, step_selection_params(), out);
     stats_.predict_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
@@ -745,6 +829,15 @@ class tiered_kv_cache {
   refcounted_allocator<allocator_type> capacity_;
   entry_store_type entries_;                // the summaries, one entry per slot held
   std::vector<std::uint32_t> summary_ids_;  // predict's scratch (under the mutex)
+  // The batched lookahead's scratch (under the mutex).
+  struct batch_scratch {
+    std::vector<layer_state*> states;
+    std::vector<selection> selections;
+    std::vector<std::vector<std::uint32_t>> ids;
+    std::vector<prediction_input<summary_type>> inputs;
+    std::vector<selection*> outs;
+  };
+  batch_scratch batch_;
   predictor_type predictor_;
   kernel_type kernel_;
   transfer_type engine_;

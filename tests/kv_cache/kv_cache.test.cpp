@@ -189,6 +189,64 @@ TEST_CASE("tiered_kv_cache: batched attend of several sequences equals one at a 
   CHECK(batched == single);
 }
 
+TEST_CASE_TEMPLATE("tiered_kv_cache: a batched lookahead predicts what one per sequence does", P,
+                   lookahead_predictor<minmax_summary<>>, exact_max_predictor) {
+  // Two caches fed the same tokens; one predicts sequence by sequence, the other in one call
+  // (the predictor's select_many on a pool where it has one, else in turn). The next attend must
+  // read the same blocks and give the same outputs, with a budget well below the contexts.
+  using B = bundle<lookahead_prefetcher<lru_eviction>, P>;
+  cpu::thread_pool pool(2);
+  const auto make = [] {
+    return tiered_kv_cache<B>(host_tier(tiny, 256), host_tier(tiny, 96), {.budget_tokens = 16});
+  };
+  tiered_kv_cache<B> one = make(), many = make();
+  if constexpr (requires { many.predictor().set_thread_pool(&pool); }) {
+    many.predictor().set_thread_pool(&pool);
+  }
+  std::vector<sequence_id> seqs;
+  for (int i = 0; i < 3; ++i) {
+    seqs.push_back(one.add_sequence());
+    REQUIRE(many.add_sequence() == seqs.back());
+    std::mt19937 a(50 + i), b(50 + i);
+    append_random(one, seqs.back(), 30 + 11 * i, a);
+    append_random(many, seqs.back(), 30 + 11 * i, b);
+  }
+  std::mt19937 rng(9);
+  const std::size_t row = std::size_t{tiny.num_q_heads} * tiny.head_dim;
+  for (std::uint32_t layer = 0; layer < tiny.num_layers; ++layer) {
+    auto q = random_queries(tiny, 3 * 2, rng);  // 2 lookahead tokens per sequence
+    for (std::size_t i = 0; i < 3; ++i) {
+      one.lookahead(seqs[i], layer, query_view{q.data() + i * 2 * row, nullptr, 2});
+    }
+    many.lookahead(seqs, layer, q.data(), 2);
+    CHECK(many.stats().lookaheads == one.stats().lookaheads);
+    auto qa = random_queries(tiny, 1, rng);
+    for (std::size_t i = 0; i < 3; ++i) {
+      CAPTURE(layer);
+      CAPTURE(i);
+      const sequence_id s[1] = {seqs[i]};
+      std::vector<float> out_one(row), out_many(row);
+      attended_blocks got_one, got_many;
+      one.attend(s, layer, qa.data(), 1, out_one.data(), nullptr, &got_one);
+      many.attend(s, layer, qa.data(), 1, out_many.data(), nullptr, &got_many);
+      CHECK(got_many.blocks == got_one.blocks);
+      CHECK(got_one.blocks.size() < tiny.blocks_for(many.length(seqs[i], layer)));
+      CHECK(out_many == out_one);
+    }
+  }
+  CHECK(many.audit() > 0);
+  // A repeated or unknown sequence, or no queries: an error naming it.
+  auto q = random_queries(tiny, 2, rng);
+  const sequence_id twice[2] = {seqs[0], seqs[0]};
+  CHECK_THROWS_WITH_AS(many.lookahead(twice, 0, q.data(), 1),
+                       doctest::Contains("appears more than once"), oasiskv::error);
+  const sequence_id unknown[2] = {seqs[0], sequence_id{999}};
+  CHECK_THROWS_WITH_AS(many.lookahead(unknown, 0, q.data(), 1), doctest::Contains("999"),
+                       oasiskv::error);
+  CHECK_THROWS_WITH_AS(many.lookahead(seqs, 0, nullptr, 1), doctest::Contains("null queries"),
+                       oasiskv::error);
+}
+
 TEST_CASE("tiered_kv_cache: fork shares the prefix and copies the partial block on write") {
   std::mt19937 rng(3);
   tiered_kv_cache<all_lru> cache(host_tier(tiny, 64), host_tier(tiny, 64), {.budget_tokens = 64});

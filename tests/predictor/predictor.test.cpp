@@ -1004,3 +1004,69 @@ TEST_CASE_TEMPLATE("summary-scoring predictors: KV heads scored on a pool select
     }
   }
 }
+
+TEST_CASE_TEMPLATE("summary-scoring predictors: select_many equals one select per input", S,
+                   minmax_summary<>, qminmax_int2_summary) {
+  // Three sequences of different lengths and lookahead tokens, each with its own summary: the
+  // batch's (input, KV head) pairs are scored together on a pool, or in turn without one, and
+  // every selection must equal what `select` gives for its input alone (independent predictor).
+  const kv_layout l{1, 8, 4, 64, 16, dtype::f16};
+  cpu::thread_pool pool(2);
+  world<S> w0(l, 3000, 1, 41), w1(l, 1100, 4, 42), w2(l, 2500, 2, 43);
+  const selection_params sp{24, 1, 2};
+  const std::vector<prediction_input<S>> ins{w0.input(), w1.input(), w2.input()};
+  const auto check_batch = [&](auto& batched, auto& alone) {
+    std::vector<selection> got(3), want(3);
+    std::vector<selection*> outs{&got[0], &got[1], &got[2]};
+    for (int round = 0; round < 2; ++round) {  // scratch reused across calls
+      batched.select_many(std::span<const prediction_input<S>>(ins), sp,
+                          std::span<selection* const>(outs));
+      for (std::size_t i = 0; i < ins.size(); ++i) {
+        CAPTURE(i);
+        alone.select(ins[i], sp, want[i]);
+        REQUIRE(!want[i].blocks.empty());
+        CHECK(got[i].tables == want[i].tables);
+        CHECK(got[i].offsets == want[i].offsets);
+        CHECK(got[i].blocks == want[i].blocks);
+      }
+    }
+  };
+  SUBCASE("shared tables, on a pool") {
+    lookahead_predictor<S> batched, alone;
+    batched.set_thread_pool(&pool);
+    check_batch(batched, alone);
+  }
+  SUBCASE("shared tables, no pool") {
+    lookahead_predictor<S> batched, alone;
+    check_batch(batched, alone);
+  }
+  SUBCASE("a table per KV head, on a pool") {
+    lookahead_predictor<S, softmax_mass_aggregation, per_kv_head_selection> batched, alone;
+    batched.set_thread_pool(&pool);
+    check_batch(batched, alone);
+  }
+  SUBCASE("bad input: nothing is written") {
+    lookahead_predictor<S> p;
+    p.set_thread_pool(&pool);
+    selection a, b;
+    a.blocks = {7};
+    b.blocks = {9};
+    std::vector<selection*> outs{&a, &b};
+    std::vector<prediction_input<S>> bad{w0.input(), w1.input()};
+    std::vector<std::uint32_t> short_ids(w1.ids.begin(), w1.ids.end() - 1);
+    bad[1].summary_ids = short_ids;
+    CHECK_THROWS_WITH_AS(p.select_many(std::span<const prediction_input<S>>(bad), sp,
+                                       std::span<selection* const>(outs)),
+                         doctest::Contains("summary_ids.size()"), oasiskv::error);
+    CHECK(a.blocks == std::vector<std::uint32_t>{7});
+    CHECK(b.blocks == std::vector<std::uint32_t>{9});
+    CHECK_THROWS_WITH_AS(p.select_many(std::span<const prediction_input<S>>(ins), sp,
+                                       std::span<selection* const>(outs)),
+                         doctest::Contains("3 inputs but 2 outputs"), oasiskv::error);
+    outs[1] = nullptr;
+    CHECK_THROWS_WITH_AS(p.select_many(std::span<const prediction_input<S>>(ins.data(), 2), sp,
+                                       std::span<selection* const>(outs)),
+                         doctest::Contains("outs[1] is null"), oasiskv::error);
+    CHECK(a.blocks == std::vector<std::uint32_t>{7});
+  }
+}

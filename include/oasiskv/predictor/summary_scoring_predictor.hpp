@@ -5,6 +5,7 @@
 //! keep the top blocks under the budget.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +46,124 @@ class summary_scoring_predictor {
   cpu::thread_pool* thread_pool() const noexcept { return pool_; }
 
   void select(const prediction_input<Summary>& in, const selection_params& sp, selection& out) {
+    selection* const one[1] = {&out};
+    select_many(std::span<const prediction_input<Summary>>(&in, 1), sp,
+                std::span<selection* const>(one));
+  }
+
+  //! @brief `select` for several (sequence, layer) inputs at once, `outs[i]` from `ins[i]`: the
+  //! scoring of every (input, KV head) pair is one loop on the pool, so a batch of sequences
+  //! keeps every thread busy where one sequence's few KV heads would leave some idle. Each
+  //! selection equals what `select` gives for its input alone: the heads are folded in order,
+  //! and the tables are chosen in input order (an adaptive budget's running average sees them
+  //! as that many `select` calls). All inputs are checked before any is scored; on an error no
+  //! output is changed. `ins` and `outs` have the same size; an output must not alias another.
+  void select_many(std::span<const prediction_input<Summary>> ins, const selection_params& sp,
+                   std::span<selection* const> outs) {
+    if (ins.size() != outs.size()) [[unlikely]] {
+      raise(errc::invalid_argument, "select_many: ", ins.size(), " inputs but ", outs.size(),
+            " outputs");
+    }
+    for (std::size_t i = 0; i < ins.size(); ++i) {
+      if (outs[i] == nullptr) [[unlikely]] {
+        raise(errc::invalid_argument, "select_many: outs[", i, "] is null");
+      }
+      check_input(ins[i], sp);
+    }
+    const std::size_t n = ins.size();
+    if (items_.size() < n) {
+      items_.resize(n);
+    }
+    std::uint32_t kv_heads = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const kv_layout& l = ins[i].layout;
+      const std::uint32_t blocks = l.blocks_for(ins[i].seq_len);
+      const std::uint32_t tables = Granularity::per_kv_head ? l.num_kv_heads : 1;
+      items_[i].acc.resize(std::size_t{tables} * blocks);
+      kv_heads = std::max(kv_heads, l.num_kv_heads);
+    }
+    // Scratch per (input, KV head) when scored in parallel; one set per input otherwise.
+    const bool parallel = pool_ != nullptr && pool_->size() > 1 && n * kv_heads > 1;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t want = parallel ? ins[i].layout.num_kv_heads : 1;
+      if (items_[i].heads.size() < want) {
+        items_[i].heads.resize(want);
+      }
+    }
+    const auto score = [&](std::size_t i, std::uint32_t h, head_scratch& hs) {
+      const prediction_input<Summary>& in = ins[i];
+      const std::uint32_t rows = in.queries.num_tokens * in.layout.group_size();
+      gather_group_rows(in.layout, in.queries, h, hs.rows);
+      score_head(*in.summaries, h, in.summary_ids, rows, scale_of(in.layout), sp.budget_blocks, hs);
+    };
+    const auto fold = [&](std::size_t i, std::uint32_t h, const head_scratch& hs) {
+      const prediction_input<Summary>& in = ins[i];
+      const std::uint32_t blocks = in.layout.blocks_for(in.seq_len);
+      const aggregation_context ctx = context_of(in);
+      const std::uint32_t t = Granularity::per_kv_head ? h : 0;
+      items_[i].aggregation.combine(ctx, hs.raw.data(),
+                                    items_[i].acc.data() + std::size_t{t} * blocks,
+                                    Granularity::per_kv_head || h == 0);
+    };
+    if (parallel) {
+      // Item k is input k / kv_heads, head k % kv_heads (inputs with fewer heads skip the rest).
+      pool_->parallel_for(n * kv_heads, [&](std::size_t k) {
+        const std::size_t i = k / kv_heads;
+        const auto h = static_cast<std::uint32_t>(k % kv_heads);
+        if (h < ins[i].layout.num_kv_heads) {
+          score(i, h, items_[i].heads[h]);
+        }
+      });
+      // Each input's heads fold into its own accumulator, in head order.
+      const auto fold_input = [&](std::size_t i) {
+        for (std::uint32_t h = 0; h < ins[i].layout.num_kv_heads; ++h) {
+          fold(i, h, items_[i].heads[h]);
+        }
+      };
+      if (n > 1) {
+        pool_->parallel_for(n, fold_input);
+      } else {
+        fold_input(0);
+      }
+    } else {
+      for (std::size_t i = 0; i < n; ++i) {
+        for (std::uint32_t h = 0; h < ins[i].layout.num_kv_heads; ++h) {
+          score(i, h, items_[i].heads[0]);
+          fold(i, h, items_[i].heads[0]);
+        }
+      }
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      const kv_layout& l = ins[i].layout;
+      const std::uint32_t blocks = l.blocks_for(ins[i].seq_len);
+      const std::uint32_t tables = Granularity::per_kv_head ? l.num_kv_heads : 1;
+      selection& out = *outs[i];
+      out.tables = tables;
+      out.blocks.clear();
+      out.offsets.resize(tables + 1);
+      out.offsets[0] = 0;
+      for (std::uint32_t t = 0; t < tables; ++t) {
+        // A mass aggregation's scores are masses; max_aggregation's are logits (adaptive budgets
+        // take their softmax at the attention scale).
+        selector_.append_table(items_[i].acc.data() + std::size_t{t} * blocks, blocks, sp,
+                               out.blocks, mass_aggregation<Aggregation> ? 0.0f : scale_of(l));
+        out.offsets[t + 1] = static_cast<std::uint32_t>(out.blocks.size());
+      }
+    }
+  }
+
+ private:
+  static float scale_of(const kv_layout& l) noexcept {
+    return 1.0f / std::sqrt(static_cast<float>(l.head_dim));
+  }
+  static aggregation_context context_of(const prediction_input<Summary>& in) noexcept {
+    const std::uint32_t group = in.layout.group_size();
+    return aggregation_context{in.layout.blocks_for(in.seq_len), in.queries.num_tokens * group,
+                               group, scale_of(in.layout), in.queries.weights};
+  }
+
+  // Every check `select` makes of one input, before anything is scored.
+  static void check_input(const prediction_input<Summary>& in, const selection_params& sp) {
     const kv_layout& l = in.layout;
     check_prediction_basics(l, in.seq_len, sp);
     check_queries(in.queries);
@@ -67,52 +186,8 @@ class summary_scoring_predictor {
         }
       }
     }
-
-    const std::uint32_t group = l.group_size();
-    const std::uint32_t rows = in.queries.num_tokens * group;
-    const std::uint32_t tables = Granularity::per_kv_head ? l.num_kv_heads : 1;
-    acc_.resize(std::size_t{tables} * blocks);
-    const aggregation_context ctx{
-        blocks, rows, group, 1.0f / std::sqrt(static_cast<float>(l.head_dim)), in.queries.weights};
-    const auto score = [&](std::uint32_t h, head_scratch& hs) {
-      gather_group_rows(l, in.queries, h, hs.rows);
-      score_head(*in.summaries, h, in.summary_ids, rows, ctx.scale, sp.budget_blocks, hs);
-    };
-    const auto fold = [&](std::uint32_t h, const head_scratch& hs) {
-      const std::uint32_t t = Granularity::per_kv_head ? h : 0;
-      aggregation_.combine(ctx, hs.raw.data(), acc_.data() + std::size_t{t} * blocks,
-                           Granularity::per_kv_head || h == 0);
-    };
-    if (pool_ != nullptr && pool_->size() > 1 && l.num_kv_heads > 1) {
-      heads_.resize(l.num_kv_heads);
-      pool_->parallel_for(l.num_kv_heads,
-                          [&](std::size_t h) { score(static_cast<std::uint32_t>(h), heads_[h]); });
-      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
-        fold(h, heads_[h]);
-      }
-    } else {
-      if (heads_.empty()) {
-        heads_.resize(1);
-      }
-      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
-        score(h, heads_[0]);
-        fold(h, heads_[0]);
-      }
-    }
-    out.tables = tables;
-    out.blocks.clear();
-    out.offsets.resize(tables + 1);
-    out.offsets[0] = 0;
-    for (std::uint32_t t = 0; t < tables; ++t) {
-      // A mass aggregation's scores are masses; max_aggregation's are logits (adaptive budgets
-      // take their softmax at the attention scale).
-      selector_.append_table(acc_.data() + std::size_t{t} * blocks, blocks, sp, out.blocks,
-                             mass_aggregation<Aggregation> ? 0.0f : ctx.scale);
-      out.offsets[t + 1] = static_cast<std::uint32_t>(out.blocks.size());
-    }
   }
 
- private:
   // KV head h's scores of every block into hs.raw, [rows][blocks] (the aggregations' layout).
   // `budget` (blocks kept per table) lets a two-stage summary score only its contenders.
   struct head_scratch {
@@ -154,10 +229,16 @@ class summary_scoring_predictor {
     }
   }
 
-  Aggregation aggregation_{};
+  // One input's scratch in a `select_many` (the aggregation keeps scratch of its own, so each
+  // input has one: the inputs are folded concurrently).
+  struct item_scratch {
+    std::vector<head_scratch> heads;  // one per KV head when scored in parallel, else one
+    std::vector<float> acc;           // [tables][blocks]
+    Aggregation aggregation{};
+  };
+
   block_selector selector_;
-  std::vector<head_scratch> heads_;  // one per KV head when scored in parallel, else one
-  std::vector<float> acc_;           // [tables][blocks]
+  std::vector<item_scratch> items_;
   cpu::thread_pool* pool_ = nullptr;
 };
 
