@@ -62,6 +62,14 @@ struct device_tier {
   const std::byte* slot_data(slot_id) const;
   block_pool_view view() const;
 };
+struct device_tier_with_slot_io : device_tier {  // slot_io_tier
+  void write_slot(slot_id, std::size_t, const std::byte*, std::size_t);
+  void read_slot(slot_id, std::size_t, std::byte*, std::size_t) const;
+};
+struct device_tier_with_mutable_read : device_tier {  // near miss: read_slot not const
+  void write_slot(slot_id, std::size_t, const std::byte*, std::size_t);
+  void read_slot(slot_id, std::size_t, std::byte*, std::size_t);
+};
 struct io_tier {
   static constexpr memory_kind memory = memory_kind::file;
   const kv_layout& layout() const;

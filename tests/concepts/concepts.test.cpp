@@ -108,6 +108,10 @@ static_assert(read_only_slot_tier<archetype::io_tier_with_read_only_slots> &&
 static_assert(!read_only_slot_tier<archetype::io_tier> && !read_only_slot_tier<host_tier>);
 static_assert(flushable_tier<archetype::io_tier_with_flush> && flushable_tier<file_tier>);
 static_assert(!flushable_tier<archetype::io_tier> && !flushable_tier<host_tier>);
+static_assert(slot_io_tier<archetype::device_tier_with_slot_io>);
+static_assert(!slot_io_tier<archetype::device_tier> &&
+              !slot_io_tier<archetype::device_tier_with_mutable_read> &&
+              !slot_io_tier<archetype::io_tier> && !slot_io_tier<host_tier>);
 static_assert(host_table_kernel<archetype::kernel_with_host_tables>);
 static_assert(!host_table_kernel<archetype::kernel> && !host_table_kernel<reference_decode>);
 static_assert(tier_bound_engine<archetype::engine_bound_to_io_tier, archetype::io_tier>);

@@ -86,7 +86,7 @@ concept drainable_scheduler = prefetch_scheduler<S> && requires(S& s) {
 //!   `x` (not resident), marked resident, which the caller fills with the block's bytes before
 //!   anything reads it; `std::nullopt` when no slot is free without evicting.
 //! `tiered_kv_cache` calls it for the block an append starts, where the fast tier is
-//! host-accessible, so the first attention over it does not miss.
+//! host-accessible or a `slot_io_tier`, so the first attention over it does not miss.
 template <class S>
 concept new_block_staging_scheduler = prefetch_scheduler<S> && requires(S& s, slot_id x) {
   { s.stage_new(x) } -> std::same_as<std::optional<slot_id>>;

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The `tier_backend` concept and its refinements `addressable_tier`,
-//! `host_accessible_tier`, `block_io_tier` and `batched_block_io_tier`.
+//! `host_accessible_tier`, `block_io_tier` and `batched_block_io_tier`, and the optional hooks
+//! `tiered_kv_cache` uses where a tier has them (`slot_io_tier`, read-only slots, `flush`).
 #pragma once
 
 #include <concepts>
@@ -130,6 +131,31 @@ concept batched_block_io_tier = block_io_tier<T> &&
 };
 
 // -- optional hooks: what `tiered_kv_cache` uses where a tier has it ------------------------------
+
+//! @brief An addressable tier whose slots the CPU must not dereference (device memory: kernels
+//! read them through `view()`), which copies bytes between host memory and a slot through calls.
+//! Where the fast tier is one and is not `host_accessible_tier`, `tiered_kv_cache` writes the
+//! blocks it creates and the tokens it appends to staged copies, and reads them for `audit`,
+//! through these calls; it never touches `slot_data` of such a tier.
+//!
+//! Additional expressions, for `t` a `T&`, `ct` a `const T&`, `s` a `slot_id`, `offset` and `n`
+//! `std::size_t`s, `in` a `const std::byte*` and `out` a `std::byte*` to `n` bytes of host memory:
+//! - `t.write_slot(s, offset, in, n)`: copies `in` into bytes `[offset, offset + n)` of slot `s`.
+//! - `ct.read_slot(s, offset, out, n)`: copies bytes `[offset, offset + n)` of slot `s` into
+//!   `out`.
+//! Both are complete when they return: the host buffer may be reused, and every later transfer
+//! or kernel, on any stream, sees what was written. The caller orders them against transfers
+//! into the same slot (the cache waits for a slot's staging copy before it writes the slot) and
+//! against kernels reading it (the cache never writes a slot a running step has pinned).
+//! `s >= num_slots()` throws `errc::invalid_slot`, `offset + n > layout().block_bytes()`
+//! `errc::out_of_range`, both naming the value. O(n).
+template <class T>
+concept slot_io_tier = addressable_tier<T> &&
+    requires(T& t, const T& ct, slot_id s, std::size_t offset, const std::byte* in, std::byte* out,
+             std::size_t n) {
+  { t.write_slot(s, offset, in, n) } -> std::same_as<void>;
+  { ct.read_slot(s, offset, out, n) } -> std::same_as<void>;
+};
 
 //! @brief A tier that declares all its slots read-only: `T::read_only`, a constant convertible to
 //! `bool` and true (a remote node's memory this node may read but never write). A
