@@ -470,6 +470,14 @@ class tiered_kv_cache {
   //! them. `q` is `[seqs][q_len][num_q_heads][head_dim]`; `out` likewise; `lse` is
   //! `[seqs][q_len][num_q_heads]` (may be null). The new tokens must already be appended.
   //! `attended`, where given, receives the blocks each sequence's tables read.
+  //!
+  //! `q`, `out` and `lse` live where the kernel reads and writes them: host memory for a CPU
+  //! kernel; device memory for a device kernel (`host_table_kernel`), to which the step's block
+  //! tables and lengths, built on the host, are copied once per call into device buffers the
+  //! kernel owns and grows as needed (a null `lse` then uses one of the kernel's). The predictor
+  //! reads queries on the host, so with a device kernel every sequence's selection must come
+  //! from `lookahead` (host queries) for this step: a sequence without one, or a predictor that
+  //! selects at attention time, is `errc::invalid_argument` before anything is staged.
   void attend(std::span<const sequence_id> seqs, std::uint32_t layer, const float* q,
               std::uint32_t q_len, float* out, float* lse = nullptr,
               attended_blocks* attended = nullptr) {
@@ -495,6 +503,16 @@ class tiered_kv_cache {
             detail::raise(errc::invalid_argument, "attend: sequence ",
                           static_cast<std::uint64_t>(seqs[i]), " layer ", layer, " holds ",
                           ls.tokens, " tokens, fewer than q_len = ", q_len);
+          }
+          if constexpr (host_table_kernel) {
+            if (predictor_type::timing != prediction_timing::lookahead || !ls.pending)
+                [[unlikely]] {
+              detail::raise(errc::invalid_argument, "attend: sequence ",
+                            static_cast<std::uint64_t>(seqs[i]), " layer ", layer,
+                            " has no lookahead selection for this step; the queries of a device ",
+                            "kernel are device memory, which the predictor cannot read (call ",
+                            "lookahead with host queries first)");
+            }
           }
           const float* qs = q + i * std::size_t{q_len} * layout_.num_q_heads * layout_.head_dim;
           stage_sequence(ls, query_view{qs, nullptr, q_len}, sc);
@@ -595,7 +613,9 @@ class tiered_kv_cache {
 
   //! @brief Checks every invariant: the scheduler's bookkeeping, residency within the fast tier,
   //! one summary entry per capacity slot in use, and every staged block byte-equal to the
-  //! capacity tier's copy. Returns the blocks compared. O(everything): for tests and debugging.
+  //! capacity tier's copy. A fast tier the CPU must not address (`slot_io_tier`) is read through
+  //! `read_slot` into a host buffer; one it can neither address nor read is checked for its
+  //! bookkeeping only. Returns the blocks compared. O(everything): for tests and debugging.
   std::size_t audit() {
     std::lock_guard lock(mutex_);
     scheduler_.check_invariants();
@@ -616,6 +636,10 @@ class tiered_kv_cache {
           const std::byte* fast_bytes = nullptr;
           if constexpr (host_accessible_tier<fast_tier_type>) {
             fast_bytes = fast_.slot_data(*f);
+          } else if constexpr (slot_io_tier<fast_tier_type>) {
+            fast_buffer.resize(layout_.block_bytes());  // device memory: copied out first
+            std::as_const(fast_).read_slot(*f, 0, fast_buffer.data(), layout_.block_bytes());
+            fast_bytes = fast_buffer.data();
           } else if constexpr (block_io_tier<fast_tier_type>) {
             fast_buffer.resize(layout_.block_bytes());
             fast_.read_block(*f, fast_buffer.data());

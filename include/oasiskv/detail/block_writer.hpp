@@ -44,8 +44,10 @@ struct layer_blocks {
 //! - A block shared with a fork is copied for its writer first (copy-on-write); a block in the
 //!   capacity tier's read-only slots (adopted from a prefill node) is copied to a slot the cache
 //!   allocates.
-//! - A staged copy of a block being written is written through (host fast tier) or staged again
-//!   (device fast tier), so attention never reads a stale copy.
+//! - A staged copy of a block being written is written through, so attention never reads a
+//!   stale copy: with `memcpy` where the fast tier is host memory, through its `write_slot` where
+//!   the CPU must not address it (`slot_io_tier`: device memory), else by staging it again.
+//!   Which path is chosen at compile time; a host fast tier pays nothing for the others.
 //! - `adopt`: slots that already hold blocks are taken by the allocator and given summary
 //!   entries, loaded from shipped bytes or computed from the blocks; on failure none is held.
 //!
@@ -152,6 +154,10 @@ class block_writer {
   }
 
  private:
+  // The CPU can put a block's bytes into a fast slot: directly, or through `write_slot`.
+  static constexpr bool fast_writable =
+      host_accessible_tier<fast_tier_type> || slot_io_tier<fast_tier_type>;
+
   static constexpr bool loads_summaries = [] {
     if constexpr (has_summary) {
       return loadable_summary<typename Entries::summary_type>;
@@ -331,6 +337,16 @@ class block_writer {
     }
   }
 
+  // Drops the staged copy of `slot` after a failed write into it. It is neither pinned (a block
+  // being written belongs to one sequence, whose calls do not overlap) nor in flight (settled
+  // before the write), so `forget` has nothing to refuse or wait for.
+  void forget_quietly(slot_id slot) noexcept {
+    try {
+      scheduler_.forget(slot);
+    } catch (...) {
+    }
+  }
+
   // Copies the first `filled` tokens' block from `from` into `to`, a slot just allocated (its
   // summary entry is bound here).
   void copy_capacity_block(slot_id from, slot_id to, std::uint32_t filled) {
@@ -356,17 +372,24 @@ class block_writer {
   // gets its content (the capacity slot's bytes where the CPU reaches them, else the zeroed tail
   // buffer), and `write_rows` keeps it exact. Otherwise the first attention over every new block
   // would miss and read back from the capacity tier what the cache had just written there.
+  // A fast tier the CPU must not address gets the block through `write_slot` (undone with the
+  // rest of the append, which forgets the new block, should it fail).
   void stage_created(layer_blocks& ls, slot_id slot) {
-    if constexpr (host_accessible_tier<fast_tier_type> && new_block_staging_scheduler<Scheduler>) {
+    if constexpr (fast_writable && new_block_staging_scheduler<Scheduler>) {
       const auto f = scheduler_.stage_new(slot);
       if (!f) {
         return;  // no room: the step fetches it as before
       }
+      const std::byte* bytes = nullptr;
       if constexpr (host_accessible_tier<slow_tier_type>) {
-        std::memcpy(fast_.slot_data(*f), std::as_const(slow_).slot_data(slot),
-                    layout_.block_bytes());
+        bytes = std::as_const(slow_).slot_data(slot);
       } else {
-        std::memcpy(fast_.slot_data(*f), ls.tail.data(), layout_.block_bytes());
+        bytes = ls.tail.data();
+      }
+      if constexpr (host_accessible_tier<fast_tier_type>) {
+        std::memcpy(fast_.slot_data(*f), bytes, layout_.block_bytes());
+      } else {
+        fast_.write_slot(*f, 0, bytes, layout_.block_bytes());
       }
     } else {
       (void)ls, (void)slot;
@@ -404,6 +427,21 @@ class block_writer {
     if (staged) {
       if constexpr (host_accessible_tier<fast_tier_type>) {
         scatter(fast_.slot_data(*staged));  // write-through keeps the staged copy exact
+      } else if constexpr (slot_io_tier<fast_tier_type>) {
+        // One copy from the first new key row to the last new value row, taken from the capacity
+        // copy: the bytes between them are rows the staged copy already holds equal (it is a
+        // byte copy of the whole block, kept exact by every write), so one call replaces
+        // 2 x num_kv_heads small ones. Should it fail, the staged copy is dropped, never left
+        // stale.
+        const std::size_t first = layout_.key_offset(0) + std::size_t{offset} * row;
+        const std::size_t last =
+            layout_.value_offset(layout_.num_kv_heads - 1) + std::size_t{offset + count} * row;
+        try {
+          fast_.write_slot(*staged, first, block + first, last - first);
+        } catch (...) {
+          forget_quietly(slot);
+          throw;
+        }
       } else {
         // Device memory: stage the updated block again through the engine rather than write
         // rows the CPU cannot reach.
