@@ -32,6 +32,10 @@ struct device_tier_options {
   //! Zero the slots at construction (a kernel that reads an unwritten slot then sees zeros, not
   //! another run's data).
   bool zero = false;
+  //! The stream of `write_slot` and `read_slot`, a stream of `device` the tier does not own.
+  //! Null: the tier creates a non-blocking stream of its own (so the calls never wait for the
+  //! legacy default stream's work, nor it for them).
+  cudaStream_t stream = nullptr;
 };
 
 //! @brief `num_slots` slots of `layout.block_bytes()` rounded up to 128 bytes (a cache line, so
@@ -39,6 +43,16 @@ struct device_tier_options {
 //! `block_pool_view` of device pointers. Move-only; owns its memory. Models `addressable_tier`
 //! with `memory_kind::device`: `slot_data` returns device pointers, which the host must not
 //! dereference.
+//!
+//! Also models `slot_io_tier`: `write_slot` and `read_slot` copy between host memory and a slot
+//! with `cudaMemcpyAsync` on `stream()` and synchronise that stream before returning, which is
+//! what `tiered_kv_cache` uses to write appended tokens through and to audit. Ordering against
+//! the copy engine (its own stream): a staging copy into a slot is waited for (its event) before
+//! the cache writes the slot, and a slot is staged into again only after it was evicted, which
+//! happens under the cache's lock after every write to it returned; against kernels: the cache
+//! writes no slot a running step pinned, and its kernel (`cuda::sparse_decode`, synchronous) has
+//! finished when `attend` returns. A copy complete on return is thus ordered before every later
+//! transfer and kernel on any stream, without events between the streams.
 class device_tier {
  public:
   static constexpr memory_kind memory = memory_kind::device;
@@ -80,13 +94,19 @@ class device_tier {
                              "cuda::device_tier: the allocate hook returned memory that is not ",
                              slot_alignment, "-byte aligned");
     }
-    if (options_.zero) {
-      try {
+    try {
+      if (options_.zero) {
         OASISKV_CUDA_TRY(cudaMemset(base_, 0, bytes_));
-      } catch (...) {
-        release();
-        throw;
       }
+      stream_ = options_.stream;
+      if (stream_ == nullptr) {
+        detail::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                      "cuda::device_tier: cudaStreamCreateWithFlags", errc::unsupported);
+        owns_stream_ = true;
+      }
+    } catch (...) {
+      release();
+      throw;
     }
   }
 
@@ -97,7 +117,9 @@ class device_tier {
         device_(o.device_),
         slot_bytes_(o.slot_bytes_),
         bytes_(o.bytes_),
-        base_(std::exchange(o.base_, nullptr)) {}
+        base_(std::exchange(o.base_, nullptr)),
+        stream_(std::exchange(o.stream_, nullptr)),
+        owns_stream_(std::exchange(o.owns_stream_, false)) {}
   device_tier& operator=(device_tier&& o) noexcept {
     if (this != &o) {
       release();
@@ -108,6 +130,8 @@ class device_tier {
       slot_bytes_ = o.slot_bytes_;
       bytes_ = o.bytes_;
       base_ = std::exchange(o.base_, nullptr);
+      stream_ = std::exchange(o.stream_, nullptr);
+      owns_stream_ = std::exchange(o.owns_stream_, false);
     }
     return *this;
   }
@@ -135,7 +159,56 @@ class device_tier {
   //! @brief The pool as kernels read it (device pointers).
   block_pool_view view() const noexcept { return {base_, slot_bytes_, num_slots_, layout_}; }
 
+  //! @brief The stream `write_slot` and `read_slot` copy on (`device_tier_options::stream`, else
+  //! the tier's own non-blocking stream).
+  cudaStream_t stream() const noexcept { return stream_; }
+
+  //! @brief Copies `n` bytes of host memory at `in` (pageable or pinned) into bytes
+  //! `[offset, offset + n)` of slot `s`; complete when it returns (see the class comment for the
+  //! ordering). A bad slot is `errc::invalid_slot`, a range past the block `errc::out_of_range`,
+  //! a CUDA failure `errc::transfer_failed`.
+  void write_slot(slot_id s, std::size_t offset, const std::byte* in, std::size_t n) {
+    std::byte* dst = slot_data(s) + check_range(s, offset, n, in, "write_slot");
+    if (n == 0) {
+      return;
+    }
+    detail::device_guard guard(device_);
+    detail::check(cudaMemcpyAsync(dst, in, n, cudaMemcpyHostToDevice, stream_),
+                  "cuda::device_tier::write_slot: cudaMemcpyAsync");
+    detail::check(cudaStreamSynchronize(stream_), "cuda::device_tier::write_slot: the copy");
+  }
+
+  //! @brief Copies bytes `[offset, offset + n)` of slot `s` into `n` bytes of host memory at
+  //! `out`; complete when it returns. Errors as `write_slot`.
+  void read_slot(slot_id s, std::size_t offset, std::byte* out, std::size_t n) const {
+    const std::byte* src = slot_data(s) + check_range(s, offset, n, out, "read_slot");
+    if (n == 0) {
+      return;
+    }
+    detail::device_guard guard(device_);
+    detail::check(cudaMemcpyAsync(out, src, n, cudaMemcpyDeviceToHost, stream_),
+                  "cuda::device_tier::read_slot: cudaMemcpyAsync");
+    detail::check(cudaStreamSynchronize(stream_), "cuda::device_tier::read_slot: the copy");
+  }
+
  private:
+  // `offset`, after checking that `[offset, offset + n)` lies within one block and that the host
+  // buffer is there.
+  std::size_t check_range(slot_id s, std::size_t offset, std::size_t n, const void* host,
+                          const char* what) const {
+    const std::size_t block = layout_.block_bytes();
+    if (offset > block || n > block - offset) [[unlikely]] {
+      oasiskv::detail::raise(errc::out_of_range, "cuda::device_tier::", what, ": bytes [", offset,
+                             ", ", offset, " + ", n, ") of slot ", s, " pass the block's ", block,
+                             " bytes");
+    }
+    if (n != 0 && host == nullptr) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "cuda::device_tier::", what,
+                             ": null host buffer for ", n, " bytes");
+    }
+    return offset;
+  }
+
   void check_slot(slot_id s) const {
     if (s >= num_slots_) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_slot, "cuda::device_tier: slot ", s,
@@ -150,6 +223,12 @@ class device_tier {
     int previous = -1;
     const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
                           cudaSetDevice(device_) == cudaSuccess;
+    if (owns_stream_) {
+      (void)cudaStreamSynchronize(stream_);  // every call waits for its copy: a formality
+      (void)cudaStreamDestroy(stream_);
+    }
+    stream_ = nullptr;
+    owns_stream_ = false;
     if (options_.deallocate) {
       try {
         options_.deallocate(base_, bytes_);
@@ -172,9 +251,12 @@ class device_tier {
   std::size_t slot_bytes_ = 0;
   std::size_t bytes_ = 0;
   std::byte* base_ = nullptr;  // [num_slots][slot_bytes], device memory
+  cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
 };
 
 static_assert(addressable_tier<device_tier>);
 static_assert(!host_accessible_tier<device_tier>);
+static_assert(slot_io_tier<device_tier>);
 
 }  // namespace oasiskv::cuda
