@@ -938,9 +938,10 @@ TEST_CASE("tiered_kv_cache: an append undone part-way leaves the partial block's
   }
   const auto q = random_queries(l, 1, rng);
   auto scores_of = [&](bool fail) {
-    tiered_kv_cache<gated_scored_bundle> cache(oasiskv::testing::gated_io_tier(l, 16),
-                                               host_tier(l, 16),
-                                               {.budget_tokens = 16, .scale = 0.25f});
+    // An adaptive budget: a fixed one covering both blocks would keep them unscored.
+    tiered_kv_cache<gated_scored_bundle> cache(
+        oasiskv::testing::gated_io_tier(l, 16), host_tier(l, 16),
+        {.budget_tokens = 16, .scale = 0.25f, .target_mass = 0.9f});
     const sequence_id a = cache.add_sequence();
     cache.append(a, 0, k6.data(), v6.data(), 6);
     if (fail) {

@@ -82,6 +82,12 @@ class summary_scoring_predictor {
       items_[i].acc.resize(std::size_t{tables} * blocks);
       kv_heads = std::max(kv_heads, l.num_kv_heads);
     }
+    // A fixed budget that covers every block keeps them all whatever their scores
+    // (`block_selector::append_table`): such an input is not scored.
+    const auto covered = [&](std::size_t i) {
+      return sp.target_mass == 0.0f &&
+             sp.budget_blocks >= ins[i].layout.blocks_for(ins[i].seq_len);
+    };
     // Scratch per (input, KV head) when scored in parallel; one set per input otherwise.
     const bool parallel = pool_ != nullptr && pool_->size() > 1 && n * kv_heads > 1;
     for (std::size_t i = 0; i < n; ++i) {
@@ -110,13 +116,13 @@ class summary_scoring_predictor {
       pool_->parallel_for(n * kv_heads, [&](std::size_t k) {
         const std::size_t i = k / kv_heads;
         const auto h = static_cast<std::uint32_t>(k % kv_heads);
-        if (h < ins[i].layout.num_kv_heads) {
+        if (h < ins[i].layout.num_kv_heads && !covered(i)) {
           score(i, h, items_[i].heads[h]);
         }
       });
       // Each input's heads fold into its own accumulator, in head order.
       const auto fold_input = [&](std::size_t i) {
-        for (std::uint32_t h = 0; h < ins[i].layout.num_kv_heads; ++h) {
+        for (std::uint32_t h = 0; h < ins[i].layout.num_kv_heads && !covered(i); ++h) {
           fold(i, h, items_[i].heads[h]);
         }
       };
@@ -127,7 +133,7 @@ class summary_scoring_predictor {
       }
     } else {
       for (std::size_t i = 0; i < n; ++i) {
-        for (std::uint32_t h = 0; h < ins[i].layout.num_kv_heads; ++h) {
+        for (std::uint32_t h = 0; h < ins[i].layout.num_kv_heads && !covered(i); ++h) {
           score(i, h, items_[i].heads[0]);
           fold(i, h, items_[i].heads[0]);
         }
