@@ -8,17 +8,20 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/runtime.cuh"
 #include "oasiskv/cuda/detail/select_kernels.cuh"
+#include "oasiskv/cuda/detail/summary_kernels.cuh"
 // The summary/cpu/ kernels (via minmax_summary.hpp) use `#pragma GCC unroll`, which g++ knows and
 // nvcc's front end reports (1675) as unrecognised; silence it for that header only.
 #pragma nv_diag_suppress 1675
@@ -27,9 +30,23 @@
 
 namespace oasiskv::cuda {
 
-//! @brief Min/max summaries in device memory, laid out as `minmax_summary<f16>` lays out its
-//! own: bounds `[num_kv_heads][capacity][2 (max, min)][head_dim]` f16 and a token count per
-//! entry. Move-only; owns its memory.
+//! @brief Min/max summaries in device memory: bounds `[num_kv_heads][capacity][2 (max, min)]
+//! [head_dim]` f16 and a token count per entry. Move-only; owns its memory.
+//!
+//! Filled either by `upload` from a host `minmax_summary<f16>` or on the device by `update`
+//! (appended key rows), `recompute` (a block's keys in a fast-tier slot) and `reset`, which
+//! fold keys with the host's rule and so give the same bits as `minmax_summary<f16>::update`
+//! for the same keys: f16 keys are stored as they are (a max/min of f16 values is exact); bf16
+//! and f32 keys are widened to float and rounded outward to f16 exactly as the host's
+//! `detail::round_up<f16>` / `round_down<f16>` do (nearest f16, then one ulp up for the maximum
+//! or down for the minimum if it landed on the wrong side), keys beyond the f16 range giving
+//! infinite bounds and NaN keys leaving the bounds unchanged. Tokens are folded in order, so
+//! even a signed-zero bound matches.
+//!
+//! The token counts are mirrored on the host (every change goes through this class), so
+//! `update` checks the block's capacity before it launches; the device-side writes are
+//! asynchronous on the given stream and ordered with the selection when both use one stream.
+//! Unlike the host summary, an update past `tokens_per_block` is an error, not a saturation.
 class device_minmax_summary {
  public:
   device_minmax_summary(const kv_layout& layout, std::uint32_t capacity)
@@ -49,13 +66,17 @@ class device_minmax_summary {
       detail::check(e, "cuda::device_minmax_summary: cudaMalloc", errc::out_of_memory);
     }
     tokens_ = static_cast<std::uint16_t*>(t);
+    // Empty entries as the host's: zero bounds, no tokens.
+    (void)cudaMemset(bounds_, 0, bounds_elems() * sizeof(f16));
     (void)cudaMemset(tokens_, 0, std::size_t{capacity_} * sizeof(std::uint16_t));
+    host_tokens_.assign(capacity_, 0);
   }
   device_minmax_summary(device_minmax_summary&& o) noexcept
       : layout_(o.layout_),
         capacity_(o.capacity_),
         bounds_(std::exchange(o.bounds_, nullptr)),
-        tokens_(std::exchange(o.tokens_, nullptr)) {}
+        tokens_(std::exchange(o.tokens_, nullptr)),
+        host_tokens_(std::move(o.host_tokens_)) {}
   device_minmax_summary& operator=(device_minmax_summary&&) = delete;
   device_minmax_summary(const device_minmax_summary&) = delete;
   device_minmax_summary& operator=(const device_minmax_summary&) = delete;
@@ -68,6 +89,11 @@ class device_minmax_summary {
   std::uint32_t capacity() const noexcept { return capacity_; }
   const f16* bounds() const noexcept { return bounds_; }
   const std::uint16_t* tokens() const noexcept { return tokens_; }
+  //! @brief Tokens folded into entry `e` (the host mirror of the device count; no synchronisation).
+  std::uint32_t tokens(std::uint32_t e) const {
+    check_entry(e, "tokens");
+    return host_tokens_[e];
+  }
 
   //! @brief Copies entries `entries` of a host summary of the same layout and capacity (after
   //! appends; synchronous). The scoring math is the host's, so the GPU scores what it scores.
@@ -88,18 +114,120 @@ class device_minmax_summary {
       const auto n = static_cast<std::uint16_t>(host.tokens(b));
       detail::check(cudaMemcpy(tokens_ + b, &n, sizeof(n), cudaMemcpyHostToDevice),
                     "cuda::device_minmax_summary::upload");
+      host_tokens_[b] = n;
     }
+  }
+
+  //! @brief Folds `n` appended key rows into entry `e` on `stream` (asynchronous). `keys` is
+  //! device memory, `[n][num_kv_heads][head_dim]` in the layout's dtype (f16, bf16 or f32), the
+  //! rows of tokens `tokens(e)` to `tokens(e) + n - 1` of the entry's block. Throws
+  //! `oasiskv::error` before any launch: `errc::out_of_range` for an entry beyond the capacity or
+  //! a count that would take the entry past `tokens_per_block`, `errc::invalid_argument` for null
+  //! or non-device `keys` (checked with `cudaPointerGetAttributes` when `check_pointers`). `n = 0`
+  //! does nothing.
+  void update(std::uint32_t e, const void* keys, std::uint32_t n, cudaStream_t stream = nullptr,
+              bool check_pointers = true) {
+    check_entry(e, "update");
+    if (n == 0) {
+      return;
+    }
+    const std::uint32_t have = host_tokens_[e];
+    if (n > layout_.tokens_per_block - have) [[unlikely]] {
+      oasiskv::detail::raise(errc::out_of_range, "cuda::device_minmax_summary::update: entry ", e,
+                             " holds ", have, " tokens; ", n,
+                             " more exceed tokens_per_block = ", layout_.tokens_per_block);
+    }
+    check_keys(keys, check_pointers, "cuda::device_minmax_summary::update: keys");
+    detail::minmax_fold_args a = fold_args(e);
+    a.keys = keys;
+    a.token_stride = std::size_t{layout_.num_kv_heads} * layout_.head_dim;
+    a.head_stride = layout_.head_dim;
+    a.count = n;
+    a.new_tokens = static_cast<std::uint16_t>(have + n);
+    a.fresh = have == 0;
+    launch_fold(a, stream, "update");
+    host_tokens_[e] = a.new_tokens;
+  }
+
+  //! @brief Recomputes entry `e` from the first `count` tokens of a block in device memory laid
+  //! out as a fast-tier slot (`kv_layout::key_offset`: `[num_kv_heads][tokens_per_block]
+  //! [head_dim]` keys first), on `stream`: the entry's old bounds are dropped, as the host's
+  //! `reset(e)` then `update(e, block, 0, count)`. `count = 0` empties it. Throws as `update`
+  //! (`count` above `tokens_per_block` is `errc::out_of_range`).
+  void recompute(std::uint32_t e, const std::byte* block, std::uint32_t count,
+                 cudaStream_t stream = nullptr, bool check_pointers = true) {
+    check_entry(e, "recompute");
+    if (count > layout_.tokens_per_block) [[unlikely]] {
+      oasiskv::detail::raise(errc::out_of_range, "cuda::device_minmax_summary::recompute: entry ",
+                             e, " from ", count, " tokens; a block holds at most ",
+                             layout_.tokens_per_block);
+    }
+    if (count == 0) {
+      reset(e, stream);
+      return;
+    }
+    check_keys(block, check_pointers, "cuda::device_minmax_summary::recompute: block");
+    detail::minmax_fold_args a = fold_args(e);
+    a.keys = block;
+    a.token_stride = layout_.head_dim;
+    a.head_stride = std::size_t{layout_.tokens_per_block} * layout_.head_dim;
+    a.count = count;
+    a.new_tokens = static_cast<std::uint16_t>(count);
+    a.fresh = true;
+    launch_fold(a, stream, "recompute");
+    host_tokens_[e] = a.new_tokens;
+  }
+
+  //! @brief Empties entry `e` on `stream`: zero bounds, no tokens (scores `-inf`, no mass).
+  void reset(std::uint32_t e, cudaStream_t stream = nullptr) {
+    check_entry(e, "reset");
+    detail::minmax_fold_args a = fold_args(e);
+    a.clear = true;
+    launch_fold(a, stream, "reset");
+    host_tokens_[e] = 0;
   }
 
  private:
   std::size_t bounds_elems() const noexcept {
     return std::size_t{layout_.num_kv_heads} * capacity_ * 2 * layout_.head_dim;
   }
+  void check_entry(std::uint32_t e, const char* what) const {
+    if (e >= capacity_) [[unlikely]] {
+      oasiskv::detail::raise(errc::out_of_range, "cuda::device_minmax_summary::", what, ": entry ",
+                             e, " >= capacity = ", capacity_);
+    }
+  }
+  void check_keys(const void* keys, bool check_pointers, const char* what) const {
+    if (keys == nullptr) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, what, " is null");
+    }
+    if (check_pointers) {
+      detail::require_device_pointer(keys, detail::current_device(), what);
+    }
+  }
+  detail::minmax_fold_args fold_args(std::uint32_t e) const noexcept {
+    detail::minmax_fold_args a;
+    a.bounds = bounds_;
+    a.tokens = tokens_;
+    a.capacity = capacity_;
+    a.head_dim = layout_.head_dim;
+    a.entry = e;
+    return a;
+  }
+  void launch_fold(const detail::minmax_fold_args& a, cudaStream_t stream, const char* what) const {
+    const dim3 grid(layout_.num_kv_heads);
+    visit_dtype(layout_.kv_dtype, [&](auto elem) {
+      using T = decltype(elem);
+      detail::minmax_fold_kernel<T><<<grid, detail::fold_threads, 0, stream>>>(a);
+    });
+    detail::check(cudaGetLastError(), what, errc::invalid_argument);
+  }
 
   kv_layout layout_;
   std::uint32_t capacity_;
-  f16* bounds_ = nullptr;            // [num_kv_heads][capacity][2][head_dim], device
-  std::uint16_t* tokens_ = nullptr;  // [capacity], device
+  f16* bounds_ = nullptr;                   // [num_kv_heads][capacity][2][head_dim], device
+  std::uint16_t* tokens_ = nullptr;         // [capacity], device
+  std::vector<std::uint16_t> host_tokens_;  // [capacity]: the device counts, as last written
 };
 
 //! @brief One step's selection for a batch of sequences. Every pointer is device memory.

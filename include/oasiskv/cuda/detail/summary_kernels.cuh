@@ -1,0 +1,100 @@
+// SPDX-License-Identifier: Apache-2.0
+//! @file
+//! @brief Kernel of `cuda::device_minmax_summary::update` / `recompute` / `reset`: folds key rows
+//! into one entry's f16 bounds with the host `minmax_summary<f16>::update` rule, so both produce
+//! the same bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "oasiskv/core/dtype.hpp"
+
+namespace oasiskv::cuda::detail {
+
+//! @brief One fold into entry `entry`: keys `(t, h, x)` at `keys[t * token_stride + h *
+//! head_stride + x]` for `t < count`; `fresh` starts from the empty bounds (max `-inf`, min
+//! `+inf`), `clear` writes the empty entry (zero bounds, no tokens) and reads no keys.
+struct minmax_fold_args {
+  f16* bounds = nullptr;            // [num_kv_heads][capacity][2][head_dim]
+  std::uint16_t* tokens = nullptr;  // [capacity]
+  std::uint32_t capacity = 0;
+  std::uint32_t head_dim = 0;
+  std::uint32_t entry = 0;
+  const void* keys = nullptr;
+  std::size_t token_stride = 0;  // elements
+  std::size_t head_stride = 0;   // elements
+  std::uint32_t count = 0;
+  std::uint16_t new_tokens = 0;  // the entry's token count afterwards (known on the host)
+  bool fresh = false;
+  bool clear = false;
+};
+static_assert(std::is_trivially_copyable_v<minmax_fold_args>);
+
+inline constexpr int fold_threads = 128;
+
+// `detail::round_up<f16>` / `round_down<f16>` of summary/cpu/simd_math.hpp, on the device: the
+// nearest f16 (`f16::from_float`, round to nearest even), stepped one ulp outward when it landed
+// on the wrong side of `x`. Exact for f16 inputs; a bf16 or f32 key rounds outward.
+__device__ inline f16 f16_round_up(float x) {
+  const f16 r = f16::from_float(x);
+  if (!(r.to_float() < x)) {
+    return r;
+  }
+  if (r.bits == 0x0000u || r.bits == 0x8000u) {
+    return f16{0x0001u};
+  }
+  return f16{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits - 1u : r.bits + 1u)};
+}
+__device__ inline f16 f16_round_down(float x) {
+  const f16 r = f16::from_float(x);
+  if (!(r.to_float() > x)) {
+    return r;
+  }
+  if (r.bits == 0x0000u || r.bits == 0x8000u) {
+    return f16{0x8001u};
+  }
+  return f16{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits + 1u : r.bits - 1u)};
+}
+
+//! One CTA per KV head, a thread per dimension: tokens folded in order with the host's rule
+//! (`if (v > max) max = round_up(v)`, `if (v < min) min = round_down(v)`; NaN keys leave the
+//! bounds alone), so even the sign of a zero bound matches the host's.
+template <class T>
+__global__ void __launch_bounds__(fold_threads) minmax_fold_kernel(const minmax_fold_args a) {
+  const std::uint32_t h = blockIdx.x;
+  f16* hi_row = a.bounds + (std::size_t{h} * a.capacity + a.entry) * 2 * a.head_dim;
+  f16* lo_row = hi_row + a.head_dim;
+  const T* keys = static_cast<const T*>(a.keys) + std::size_t{h} * a.head_stride;
+  for (std::uint32_t x = threadIdx.x; x < a.head_dim; x += fold_threads) {
+    if (a.clear) {
+      hi_row[x] = f16{0};
+      lo_row[x] = f16{0};
+      continue;
+    }
+    f16 hi = a.fresh ? f16{0xFC00u} : hi_row[x];  // -inf
+    f16 lo = a.fresh ? f16{0x7C00u} : lo_row[x];  // +inf
+    float hf = hi.to_float(), lf = lo.to_float();
+    for (std::uint32_t t = 0; t < a.count; ++t) {
+      const float v = to_float(keys[std::size_t{t} * a.token_stride + x]);
+      if (v > hf) {
+        hi = f16_round_up(v);
+        hf = hi.to_float();
+      }
+      if (v < lf) {
+        lo = f16_round_down(v);
+        lf = lo.to_float();
+      }
+    }
+    hi_row[x] = hi;
+    lo_row[x] = lo;
+  }
+  if (h == 0 && threadIdx.x == 0) {
+    a.tokens[a.entry] = a.new_tokens;
+  }
+}
+
+}  // namespace oasiskv::cuda::detail
