@@ -39,7 +39,8 @@ if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DOASISKV_WERROR
 fi
 
 say "== build the CUDA tests"
-tests=(test_cuda_core test_cuda_copy_engine test_cuda_sparse_decode test_cuda_topk_selector)
+tests=(test_cuda_core test_cuda_copy_engine test_cuda_sparse_decode test_cuda_topk_selector
+  test_cuda_device_summary)
 if ! ninja -C "$build" -j "$(nproc)" "${tests[@]}" >>"$log" 2>&1; then
   say "error: building the CUDA tests failed (see $log)"
   status=1
