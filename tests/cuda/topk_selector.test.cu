@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// cuda::topk_selector against the CPU lookahead predictor (minmax_summary<f16>, max aggregation,
-// shared and per-KV-head tables), and a whole step (select on the GPU, decode) captured in a CUDA
-// graph and replayed.
+// cuda::topk_selector against the CPU lookahead predictor (minmax_summary<f16>, max and
+// softmax-mass aggregation, shared and per-KV-head tables), and a whole step (select on the GPU,
+// decode) captured in a CUDA graph and replayed.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "cuda/cuda_support.cuh"
@@ -59,7 +63,8 @@ struct setup {
 };
 
 // The CPU selection of every sequence, as refs whose slot is the summary id (identity staging).
-std::vector<std::vector<std::uint32_t>> cpu_select(setup& st, const std::vector<float>& q,
+template <class Aggregation = oasiskv::max_aggregation, class Setup>
+std::vector<std::vector<std::uint32_t>> cpu_select(Setup& st, const std::vector<float>& q,
                                                    std::uint32_t tokens,
                                                    const oasiskv::selection_params& sp,
                                                    bool per_head) {
@@ -74,13 +79,12 @@ std::vector<std::vector<std::uint32_t>> cpu_select(setup& st, const std::vector<
                   tokens};
     oasiskv::selection sel;
     if (per_head) {
-      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>, oasiskv::max_aggregation,
+      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>, Aggregation,
                                    oasiskv::per_kv_head_selection>
           p;
       p.select(in, sp, sel);
     } else {
-      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>, oasiskv::max_aggregation>
-          p;
+      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>, Aggregation> p;
       p.select(in, sp, sel);
     }
     for (std::uint32_t t = 0; t < sel.tables; ++t) {
@@ -90,6 +94,136 @@ std::vector<std::vector<std::uint32_t>> cpu_select(setup& st, const std::vector<
   }
   return tables;
 }
+
+// Keys built for the softmax-mass comparison: block i of sequence s, KV head h, holds keys
+// `level * u + noise` with `level = 0.02 * perm[i]` (a permutation per sequence and KV head)
+// and queries are `u + noise`, so each head's bounds, and masses, are spread in clear steps
+// (e^(0.02 * |u|^2 / sqrt(d)) apart, 17% at d = 64) rather than left to random near-ties that
+// float summation order could flip. `margin_ok` checks, on the host, that the tables' cut is
+// clear (for a shared table, the sum over heads).
+struct mass_setup {
+  oasiskv::kv_layout l;
+  std::uint32_t num_seqs, max_blocks, capacity;
+  std::vector<std::uint32_t> lens, ids;
+  std::vector<std::byte> blocks;
+  std::vector<float> u;
+  oasiskv::minmax_summary<oasiskv::f16> summary;
+
+  mass_setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t maxb,
+             std::mt19937& rng)
+      : l(layout),
+        num_seqs(seqs),
+        max_blocks(maxb),
+        capacity(seqs * maxb),
+        u(layout.head_dim),
+        summary(layout, capacity) {
+    std::uniform_real_distribution<float> noise(-0.02f, 0.02f);
+    std::uniform_int_distribution<std::uint32_t> len(maxb * l.tokens_per_block / 2,
+                                                     maxb * l.tokens_per_block);
+    for (float& x : u) {
+      x = rng() % 2 == 0 ? 1.0f : -1.0f;
+    }
+    blocks.resize(std::size_t{capacity} * l.block_bytes());
+    ids.assign(std::size_t{seqs} * maxb, 0);
+    for (std::uint32_t s = 0; s < seqs; ++s) {
+      lens.push_back(s == 0 ? maxb * l.tokens_per_block - 5 : len(rng));
+      const std::uint32_t n = l.blocks_for(lens[s]);
+      std::vector<std::vector<std::uint32_t>> perm(l.num_kv_heads);
+      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+        perm[h].resize(n);
+        for (std::uint32_t i = 0; i < n; ++i) {
+          perm[h][i] = i;
+        }
+        std::shuffle(perm[h].begin(), perm[h].end(), rng);
+      }
+      for (std::uint32_t i = 0; i < n; ++i) {
+        const std::uint32_t id = s * maxb + (i * 7919u) % maxb;
+        ids[std::size_t{s} * maxb + i] = id;
+        std::byte* slot = blocks.data() + std::size_t{id} * l.block_bytes();
+        const std::uint32_t fill = oasiskv::block_fill(l, i, lens[s]);
+        for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+          auto* k = reinterpret_cast<oasiskv::f16*>(slot + l.key_offset(h));
+          const float level = 0.02f * static_cast<float>(perm[h][i]);
+          for (std::uint32_t t = 0; t < fill; ++t) {
+            for (std::uint32_t x = 0; x < l.head_dim; ++x) {
+              k[std::size_t{t} * l.head_dim + x] =
+                  oasiskv::from_float<oasiskv::f16>(level * u[x] + noise(rng));
+            }
+          }
+        }
+        summary.update(id, slot, 0, fill);
+      }
+    }
+  }
+
+  std::vector<float> queries(std::uint32_t tokens, std::mt19937& rng) const {
+    std::uniform_real_distribution<float> noise(-0.3f, 0.3f);
+    std::vector<float> q(std::size_t{num_seqs} * tokens * l.num_q_heads * l.head_dim);
+    for (std::size_t i = 0; i < q.size(); ++i) {
+      q[i] = u[i % l.head_dim] + noise(rng);
+    }
+    return q;
+  }
+
+  // Whether every table's kept candidates outweigh the rest by a relative 1e-3 or more, the
+  // masses computed in double from the host summary's own scores.
+  bool margin_ok(const std::vector<float>& q, std::uint32_t tokens,
+                 const oasiskv::selection_params& sp, bool per_head) const {
+    const std::uint32_t group = l.group_size(), rows = tokens * group, d = l.head_dim;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (std::uint32_t s = 0; s < num_seqs; ++s) {
+      const std::uint32_t n = l.blocks_for(lens[s]);
+      const std::span<const std::uint32_t> sid(ids.data() + std::size_t{s} * max_blocks, n);
+      std::vector<double> shared(n, 0.0);
+      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+        std::vector<float> qr(std::size_t{rows} * d), raw(std::size_t{rows} * n);
+        for (std::uint32_t r = 0; r < rows; ++r) {  // row = token * group + member
+          for (std::uint32_t x = 0; x < d; ++x) {
+            qr[std::size_t{r} * d + x] =
+                q[((std::size_t{s} * tokens + r / group) * l.num_q_heads + h * group + r % group) *
+                      d +
+                  x];
+          }
+        }
+        summary.score_rows(h, sid, qr.data(), rows, raw.data());
+        std::vector<double> mass(n, 0.0);
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          const float* x = raw.data() + std::size_t{r} * n;
+          const double m = *std::max_element(x, x + n);
+          double sum = 0.0;
+          for (std::uint32_t i = 0; i < n; ++i) {
+            sum += std::exp(scale * (x[i] - m));
+          }
+          for (std::uint32_t i = 0; i < n; ++i) {
+            mass[i] += std::exp(scale * (x[i] - m)) / sum;
+          }
+        }
+        for (std::uint32_t i = 0; i < n; ++i) {
+          shared[i] += mass[i];
+        }
+        if (per_head && !clear_cut(mass, sp)) {
+          return false;
+        }
+      }
+      if (!per_head && !clear_cut(shared, sp)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  static bool clear_cut(const std::vector<double>& mass, const oasiskv::selection_params& sp) {
+    const auto n = static_cast<std::uint32_t>(mass.size());
+    if (sp.budget_blocks >= n) {
+      return true;
+    }
+    const std::uint32_t recent = std::max(sp.recent_blocks, 1u);
+    std::vector<double> c(mass.begin() + sp.sink_blocks, mass.end() - recent);
+    std::sort(c.begin(), c.end(), std::greater<>());
+    const std::uint32_t take = sp.budget_blocks - sp.sink_blocks - recent;
+    return c[take - 1] > c[take] * (1.0 + 1e-3);
+  }
+};
 
 }  // namespace
 
@@ -270,4 +404,126 @@ TEST_CASE("a decode step (GPU selection, then sparse decode) captured in a CUDA 
   OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
   OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
   OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass predictor selects") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(53);
+  for (const std::uint32_t d : {64u, 128u}) {
+    for (const bool per_head : {false, true}) {
+      for (const std::uint32_t tokens : {1u, 4u}) {
+        CAPTURE(d);
+        CAPTURE(per_head);
+        CAPTURE(tokens);
+        const oasiskv::kv_layout l{1, 8, 2, d, 16, oasiskv::dtype::f16};
+        const oasiskv::selection_params sp{20, 2, 3};  // a budget well below 48..96 blocks
+        // Inputs are drawn until the host masses cut clearly (a shared table sums two heads'
+        // masses, which can come close): the GPU's rounding then cannot flip the selection.
+        std::unique_ptr<mass_setup> pst;
+        std::vector<float> q;
+        for (int attempt = 0; attempt < 64; ++attempt) {
+          pst = std::make_unique<mass_setup>(l, 3, 96, rng);
+          q = pst->queries(tokens, rng);
+          if (pst->margin_ok(q, tokens, sp, per_head)) {
+            break;
+          }
+          pst.reset();
+        }
+        REQUIRE(pst != nullptr);
+        mass_setup& st = *pst;
+        const auto expect =
+            cpu_select<oasiskv::softmax_mass_aggregation>(st, q, tokens, sp, per_head);
+        // A shared table sums masses over KV heads that rank blocks differently, where max
+        // aggregation takes the higher bound: the selections differ, so this test tells the
+        // aggregations apart. (Per KV head they rank alike by construction.)
+        if (!per_head) {
+          CHECK(expect != cpu_select(st, q, tokens, sp, per_head));
+        }
+
+        oc::device_minmax_summary ds(l, st.capacity);
+        std::vector<std::uint32_t> all(st.capacity);
+        for (std::uint32_t i = 0; i < st.capacity; ++i) {
+          all[i] = i;
+        }
+        ds.upload(st.summary, all);
+        oc::topk_selector::options o;
+        o.per_kv_head = per_head;
+        o.aggregation = oc::selection_aggregation::softmax_mass;
+        oc::topk_selector sel(o);
+        const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(l);
+        device_buffer<float> dq(q);
+        device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
+        device_buffer<oasiskv::slot_id> dstaged(st.ids);
+        device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
+        device_buffer<std::uint32_t> offsets(tables + 1);
+        oc::topk_request r;
+        r.queries = dq.get();
+        r.num_tokens = tokens;
+        r.seq_lens = dlens.get();
+        r.summary_ids = dids.get();
+        r.staged_slots = dstaged.get();
+        r.refs = refs.get();
+        r.offsets = offsets.get();
+        r.num_seqs = st.num_seqs;
+        r.max_blocks = st.max_blocks;
+        r.params = sp;
+        sel.select(ds, r);
+        sel.check_status();
+        const auto got_refs = refs.download();
+        const auto got_off = offsets.download();
+        REQUIRE(expect.size() == tables);
+        CHECK(got_off[0] == 0);
+        for (std::uint32_t t = 0; t < tables; ++t) {
+          CAPTURE(t);
+          REQUIRE(got_off[t + 1] - got_off[t] == expect[t].size());
+          CHECK(expect[t].size() == sp.budget_blocks);
+          for (std::size_t i = 0; i < expect[t].size(); ++i) {
+            CHECK(got_refs[got_off[t] + i].index == expect[t][i]);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda::topk_selector: bad requests throw before any launch") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
+  oc::topk_selector::options o;
+  o.aggregation = oc::selection_aggregation::softmax_mass;
+  oc::topk_selector sel(o);
+  auto code = [](auto&& f) {
+    try {
+      f();
+    } catch (const oasiskv::error& e) {
+      return e.code();
+    }
+    return oasiskv::errc{};
+  };
+  CHECK(code([&] { sel.reserve(l, 2, 64, 0); }) == oasiskv::errc::invalid_argument);
+  CHECK(code([&] { sel.reserve(l, 2, 64, 17); }) == oasiskv::errc::invalid_argument);
+  oc::device_minmax_summary ds(l, 8);
+  device_buffer<float> dq(std::size_t{17} * l.num_q_heads * l.head_dim);
+  device_buffer<std::uint32_t> u32(64);
+  device_buffer<oasiskv::slot_id> slots(64);
+  device_buffer<block_ref> refs(64);
+  oc::topk_request r;
+  r.queries = dq.get();
+  r.seq_lens = u32.get();
+  r.summary_ids = u32.get();
+  r.staged_slots = slots.get();
+  r.refs = refs.get();
+  r.offsets = u32.get();
+  r.num_seqs = 1;
+  r.max_blocks = 8;
+  r.params = {8, 1, 1};
+  r.num_tokens = 17;
+  CHECK(code([&] { sel.select(ds, r); }) == oasiskv::errc::invalid_argument);
+  r.num_tokens = 1;
+  r.params = {2, 1, 2};  // below sinks + recent
+  CHECK(code([&] { sel.select(ds, r); }) == oasiskv::errc::invalid_argument);
+  r.params = {8, 1, 1};
+  std::vector<float> host_q(dq.size());
+  r.queries = host_q.data();
+  CHECK(code([&] { sel.select(ds, r); }) == oasiskv::errc::invalid_argument);
 }

@@ -248,13 +248,29 @@ struct topk_request {
   selection_params params{};
 };
 
-//! @brief GPU counterpart of `lookahead_predictor<minmax_summary<f16>, max_aggregation, G>`
-//! plus the translation to staging slots: the same bound (q+ . max + q- . min), the same max
-//! over lookahead tokens, GQA members (and KV heads for a shared selection), the same kept
-//! sinks and recent window, ties to the lower index. Writes a `block_table_view`-shaped table
-//! (`refs`, `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads.
+//! @brief How `topk_selector` folds the scores of many query rows into one score per block.
+enum class selection_aggregation : std::uint8_t {
+  max,           //!< `max_aggregation`: the highest bound over rows (and KV heads when shared)
+  softmax_mass,  //!< `softmax_mass_aggregation`: per row a softmax over blocks, summed
+};
+
+//! @brief GPU counterpart of `lookahead_predictor<minmax_summary<f16>, A, G>` with `A` =
+//! `max_aggregation` or `softmax_mass_aggregation` (`options::aggregation`), plus the
+//! translation to staging slots: the same bound (q+ . max + q- . min), the same kept sinks and
+//! recent window, ties to the lower index. Writes a `block_table_view`-shaped table (`refs`,
+//! `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads.
 //!
-//! Both kernels run on fixed grids sized from `num_seqs` and `max_blocks`; lengths are read on
+//! Max aggregation takes the highest bound over lookahead tokens, GQA members (and KV heads for
+//! a shared selection). Softmax mass takes, per (sequence, KV head, query row), the softmax over
+//! the sequence's blocks of `scale * bound` (`scale` = 1/sqrt(head_dim)), the bounds clamped to
+//! finite values first as the host's `softmax_mass` does (an empty entry gets no mass, an
+//! overflowed `+inf` or NaN bound the row's mass), and sums it over rows, the group's q heads and,
+//! for a shared selection, the KV heads. Every lookahead token weighs the same (the host's
+//! `query_view::weights == nullptr`; `confidence_weighted_aggregation` has no GPU counterpart).
+//! The sums run in another order than the host's and `expf` is not the host's `exp`, so scores
+//! agree to rounding, not bits: a near-tie at the budget's edge may resolve differently.
+//!
+//! All kernels run on fixed grids sized from `num_seqs` and `max_blocks`; lengths are read on
 //! the device, so a step (select, gather the misses, decode) can be captured in a CUDA graph once
 //! `reserve` has allocated the workspace.
 class topk_selector {
@@ -263,6 +279,9 @@ class topk_selector {
     cudaStream_t stream = nullptr;
     bool per_kv_head = false;    //!< one table per KV head (`per_kv_head_selection`)
     bool check_pointers = true;  //!< cudaPointerGetAttributes on every pointer of the request
+    //! How query rows fold into one score per block; softmax mass needs a workspace of
+    //! `num_seqs * num_kv_heads * num_tokens * group_size * max_blocks` floats.
+    selection_aggregation aggregation = selection_aggregation::max;
   };
 
   topk_selector() : topk_selector(options{}) {}
@@ -273,10 +292,17 @@ class topk_selector {
     return options_.per_kv_head ? l.num_kv_heads : 1;
   }
 
-  //! @brief Allocates the workspace for requests up to this size (before a graph capture).
-  void reserve(const kv_layout& l, std::uint32_t num_seqs, std::uint32_t max_blocks) const {
+  //! @brief Allocates the workspace for requests up to this size (before a graph capture);
+  //! `max_tokens` (lookahead tokens, 1..16) matters to the softmax-mass aggregation only.
+  void reserve(const kv_layout& l, std::uint32_t num_seqs, std::uint32_t max_blocks,
+               std::uint32_t max_tokens = max_query_tokens) const {
+    if (max_tokens == 0 || max_tokens > max_query_tokens) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "cuda::topk_selector::reserve: max_tokens = ", max_tokens,
+                             " must be in [1, 16]");
+    }
     std::lock_guard lock(state_->mutex);
-    ensure(l, num_seqs, max_blocks, false);
+    ensure(l, num_seqs, max_blocks, max_tokens, false);
   }
 
   //! @brief Enqueues the scoring and the top-k on the stream. Throws before any launch when the
@@ -298,7 +324,7 @@ class topk_selector {
         detail::require_device_pointer(r.miss_counts, device, "topk_request.miss_counts");
       }
     }
-    ensure(l, r.num_seqs, r.max_blocks, detail::is_capturing(options_.stream));
+    ensure(l, r.num_seqs, r.max_blocks, r.num_tokens, detail::is_capturing(options_.stream));
     detail::select_kernel_args a;
     a.layout = l;
     a.bounds = s.bounds();
@@ -320,6 +346,9 @@ class topk_selector {
     a.max_blocks = r.max_blocks;
     a.tables_per_seq = tables_per_seq(l);
     a.sp = r.params;
+    a.softmax_mass = options_.aggregation == selection_aggregation::softmax_mass;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(l.head_dim));  // the host predictor's
+    a.raw = state_->raw;
     cudaStream_t st = options_.stream;
     const std::uint32_t tables = r.num_seqs * a.tables_per_seq;
     if (r.misses != nullptr) {
@@ -335,6 +364,12 @@ class topk_selector {
       detail::score_minmax_kernel<128><<<grid, detail::score_threads, 0, st>>>(a);
     }
     detail::check(cudaGetLastError(), "cuda::topk_selector: score launch", errc::invalid_argument);
+    if (a.softmax_mass) {
+      detail::
+          softmax_mass_kernel<<<dim3(l.num_kv_heads, r.num_seqs), detail::mass_threads, 0, st>>>(a);
+      detail::check(cudaGetLastError(), "cuda::topk_selector: softmax mass launch",
+                    errc::invalid_argument);
+    }
     detail::topk_select_kernel<<<tables, detail::topk_threads, 0, st>>>(a);
     detail::check(cudaGetLastError(), "cuda::topk_selector: top-k launch", errc::invalid_argument);
   }
@@ -363,7 +398,8 @@ class topk_selector {
     int device = -1;
     float* scores = nullptr;        // [num_seqs][num_kv_heads][max_blocks]
     std::uint32_t* keys = nullptr;  // [num_seqs * tables_per_seq][max_blocks]
-    std::size_t score_elems = 0, key_elems = 0;
+    float* raw = nullptr;           // softmax mass: [num_seqs][num_kv_heads][rows][max_blocks]
+    std::size_t score_elems = 0, key_elems = 0, raw_elems = 0;
     std::uint32_t* status = nullptr;
     state() = default;
     state(const state&) = delete;
@@ -377,6 +413,7 @@ class topk_selector {
                             cudaSetDevice(device) == cudaSuccess;
       (void)cudaFree(scores);
       (void)cudaFree(keys);
+      (void)cudaFree(raw);
       (void)cudaFree(status);
       if (switched) {
         (void)cudaSetDevice(previous);
@@ -414,7 +451,7 @@ class topk_selector {
   }
 
   void ensure(const kv_layout& l, std::uint32_t num_seqs, std::uint32_t max_blocks,
-              bool capturing) const {
+              std::uint32_t num_tokens, bool capturing) const {
     state& st = *state_;
     const int device = detail::current_device();
     if (st.device >= 0 && st.device != device) [[unlikely]] {
@@ -423,7 +460,11 @@ class topk_selector {
     }
     const std::size_t scores = std::size_t{num_seqs} * l.num_kv_heads * max_blocks;
     const std::size_t keys = std::size_t{num_seqs} * tables_per_seq(l) * max_blocks;
-    if (st.status != nullptr && st.score_elems >= scores && st.key_elems >= keys) {
+    const std::size_t raw = options_.aggregation == selection_aggregation::softmax_mass
+                                ? scores * num_tokens * l.group_size()
+                                : 0;
+    if (st.status != nullptr && st.score_elems >= scores && st.key_elems >= keys &&
+        st.raw_elems >= raw) {
       return;
     }
     if (capturing) [[unlikely]] {
@@ -447,6 +488,7 @@ class topk_selector {
     };
     grow(st.scores, st.score_elems, scores);
     grow(st.keys, st.key_elems, keys);
+    grow(st.raw, st.raw_elems, raw);
     if (st.status == nullptr) {
       void* m = nullptr;
       detail::check(cudaMalloc(&m, sizeof(std::uint32_t)), "cuda::topk_selector: status",

@@ -1,14 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief Kernels of `cuda::block_selector`: min/max summary scoring and a CTA-per-table radix
-//! top-k that writes the block table (with staging slots) on the device.
+//! @brief Kernels of `cuda::topk_selector`: min/max summary scoring, the softmax-mass
+//! aggregation and a CTA-per-table radix top-k that writes the block table (with staging slots)
+//! on the device.
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstddef>
 #include <cstdint>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <type_traits>
 
@@ -44,6 +47,9 @@ struct select_kernel_args {
   std::uint32_t max_blocks = 0;
   std::uint32_t tables_per_seq = 1;
   selection_params sp{};
+  bool softmax_mass = false;  // aggregate by softmax mass (else by max)
+  float scale = 1.0f;         // softmax_mass: the logit scale, 1/sqrt(head_dim)
+  float* raw = nullptr;       // softmax_mass workspace [num_seqs][num_kv_heads][rows][max_blocks]
 };
 static_assert(std::is_trivially_copyable_v<select_kernel_args>);
 
@@ -58,7 +64,8 @@ OASISKV_DEVICE std::uint32_t seq_blocks(const select_kernel_args& a, std::uint32
 
 //! Scores entries [blockIdx.x * 64, +64) of one (sequence, KV head): for every query row of the
 //! head's GQA group and every lookahead token, q+ . max + q- . min (the split query staged in
-//! shared memory as minmax_summary::score does on the CPU), maxed over the rows.
+//! shared memory as minmax_summary::score does on the CPU), maxed over the rows; for the
+//! softmax mass, every row's score is written to `raw` instead (`-inf` for an empty entry).
 template <int D>
 __global__ void __launch_bounds__(score_threads) score_minmax_kernel(const select_kernel_args a) {
   constexpr int lanes = 2 * D / 8;  // lanes per entry: 8 f16 bounds (16 bytes) each
@@ -131,6 +138,11 @@ __global__ void __launch_bounds__(score_threads) score_minmax_kernel(const selec
         }
         d = d != d ? INFINITY : d;  // 0 * inf of an overflowed bound: keep the block (as the CPU)
         m = fmaxf(m, d);
+        if (a.softmax_mass && live && lin == 0) {
+          const std::uint32_t id = a.summary_ids[std::size_t{seq} * a.max_blocks + i];
+          a.raw[((std::size_t{seq} * a.layout.num_kv_heads + h) * rows + r0 + r) * a.max_blocks +
+                i] = a.tokens[id] == 0 ? -INFINITY : d;
+        }
       }
       if (live && lin == 0) {
         best[e] = fmaxf(best[e], m);
@@ -138,6 +150,9 @@ __global__ void __launch_bounds__(score_threads) score_minmax_kernel(const selec
     }
   }
   __syncthreads();
+  if (a.softmax_mass) {
+    return;  // softmax_mass_kernel folds the rows
+  }
   for (int e = static_cast<int>(threadIdx.x); e < score_entries_per_cta; e += score_threads) {
     const std::uint32_t i = i0 + static_cast<std::uint32_t>(e);
     if (i < n) {
@@ -145,6 +160,65 @@ __global__ void __launch_bounds__(score_threads) score_minmax_kernel(const selec
       const float s = a.tokens[id] == 0 ? -INFINITY : best[e];
       a.scores[(std::size_t{seq} * a.layout.num_kv_heads + h) * a.max_blocks + i] = s;
     }
+  }
+}
+
+inline constexpr int mass_threads = 256;
+
+struct max_op {
+  OASISKV_DEVICE float operator()(float x, float y) const { return x > y ? x : y; }
+};
+
+//! One CTA per (KV head, sequence): for each query row of the head (lookahead tokens x GQA
+//! members), the softmax over the sequence's blocks of `scale * score`, the scores clamped to
+//! finite values first (`detail::clamp_finite_max`: an empty entry's `-inf` gets no mass unless
+//! every entry is empty, `+inf` takes the row's mass), summed over the rows with equal weights
+//! into `scores` (the host's `softmax_mass_aggregation`, `add_scaled(acc, e, 1 / sum)`). A
+//! thread owns the same blocks in every pass, so only the reductions synchronise.
+__global__ void __launch_bounds__(mass_threads) softmax_mass_kernel(const select_kernel_args a) {
+  using reduce = cub::BlockReduce<float, mass_threads>;
+  __shared__ typename reduce::TempStorage storage;
+  __shared__ float shared_value;
+  const std::uint32_t h = blockIdx.x;
+  const std::uint32_t seq = blockIdx.y;
+  const std::uint32_t kv = a.layout.num_kv_heads;
+  const std::uint32_t n = seq_blocks(a, seq);
+  const std::uint32_t rows = a.num_tokens * a.layout.group_size();
+  float* acc = a.scores + (std::size_t{seq} * kv + h) * a.max_blocks;
+  for (std::uint32_t i = threadIdx.x; i < n; i += mass_threads) {
+    acc[i] = 0.0f;
+  }
+  for (std::uint32_t r = 0; r < rows; ++r) {
+    float* x = a.raw + ((std::size_t{seq} * kv + h) * rows + r) * a.max_blocks;
+    float m = -FLT_MAX;
+    for (std::uint32_t i = threadIdx.x; i < n; i += mass_threads) {
+      const float v = x[i] <= FLT_MAX ? (x[i] >= -FLT_MAX ? x[i] : -FLT_MAX) : FLT_MAX;
+      x[i] = v;
+      m = v > m ? v : m;
+    }
+    m = reduce(storage).Reduce(m, max_op{});
+    if (threadIdx.x == 0) {
+      shared_value = m;
+    }
+    __syncthreads();
+    m = shared_value;
+    float sum = 0.0f;
+    for (std::uint32_t i = threadIdx.x; i < n; i += mass_threads) {
+      const float e = expf(a.scale * (x[i] - m));
+      x[i] = e;
+      sum += e;
+    }
+    __syncthreads();  // everyone has read shared_value; the storage is free again
+    sum = reduce(storage).Sum(sum);
+    if (threadIdx.x == 0) {
+      shared_value = sum;
+    }
+    __syncthreads();
+    const float k = 1.0f / shared_value;  // >= 1: the row's maximum contributes exp(0)
+    for (std::uint32_t i = threadIdx.x; i < n; i += mass_threads) {
+      acc[i] += k * x[i];
+    }
+    __syncthreads();  // shared_value and the storage are rewritten by the next row
   }
 }
 
@@ -205,7 +279,12 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
     const std::uint32_t kv = a.layout.num_kv_heads;
     for (std::uint32_t i = sinks + threadIdx.x; i < end; i += topk_threads) {
       float s;
-      if (a.tables_per_seq == 1) {
+      if (a.tables_per_seq == 1 && a.softmax_mass) {
+        s = 0.0f;  // masses add over KV heads, in head order
+        for (std::uint32_t h = 0; h < kv; ++h) {
+          s += a.scores[(std::size_t{seq} * kv + h) * a.max_blocks + i];
+        }
+      } else if (a.tables_per_seq == 1) {
         s = -INFINITY;
         for (std::uint32_t h = 0; h < kv; ++h) {
           const float v = a.scores[(std::size_t{seq} * kv + h) * a.max_blocks + i];
