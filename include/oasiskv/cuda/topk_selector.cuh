@@ -55,6 +55,7 @@ class device_minmax_summary {
     if (capacity_ == 0) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument, "cuda::device_minmax_summary capacity is 0");
     }
+    host_tokens_.assign(capacity_, 0);
     void* b = nullptr;
     void* t = nullptr;
     detail::check(cudaMalloc(&b, bounds_elems() * sizeof(f16)),
@@ -66,10 +67,15 @@ class device_minmax_summary {
       detail::check(e, "cuda::device_minmax_summary: cudaMalloc", errc::out_of_memory);
     }
     tokens_ = static_cast<std::uint16_t*>(t);
-    // Empty entries as the host's: zero bounds, no tokens.
+    // Empty entries as the host's: zero bounds, no tokens; finished before this returns, since
+    // updates may come on a stream that does not wait for the legacy default stream.
     (void)cudaMemset(bounds_, 0, bounds_elems() * sizeof(f16));
     (void)cudaMemset(tokens_, 0, std::size_t{capacity_} * sizeof(std::uint16_t));
-    host_tokens_.assign(capacity_, 0);
+    if (const cudaError_t e = cudaStreamSynchronize(nullptr); e != cudaSuccess) [[unlikely]] {
+      (void)cudaFree(bounds_);
+      (void)cudaFree(tokens_);
+      detail::check(e, "cuda::device_minmax_summary: clearing the entries");
+    }
   }
   device_minmax_summary(device_minmax_summary&& o) noexcept
       : layout_(o.layout_),
@@ -96,7 +102,8 @@ class device_minmax_summary {
   }
 
   //! @brief Copies entries `entries` of a host summary of the same layout and capacity (after
-  //! appends; synchronous). The scoring math is the host's, so the GPU scores what it scores.
+  //! appends; synchronous, through the legacy default stream: synchronise a non-blocking stream
+  //! that `update` used first). The scoring math is the host's, so the GPU scores what it scores.
   void upload(const minmax_summary<f16>& host, std::span<const std::uint32_t> entries) {
     if (!(host.layout() == layout_) || host.capacity() != capacity_) [[unlikely]] {
       oasiskv::detail::raise(errc::layout_mismatch,

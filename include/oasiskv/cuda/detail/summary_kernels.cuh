@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "oasiskv/config.hpp"
 #include "oasiskv/core/dtype.hpp"
 
 namespace oasiskv::cuda::detail {
@@ -39,7 +40,7 @@ inline constexpr int fold_threads = 128;
 // `detail::round_up<f16>` / `round_down<f16>` of summary/cpu/simd_math.hpp, on the device: the
 // nearest f16 (`f16::from_float`, round to nearest even), stepped one ulp outward when it landed
 // on the wrong side of `x`. Exact for f16 inputs; a bf16 or f32 key rounds outward.
-__device__ inline f16 f16_round_up(float x) {
+OASISKV_HOST_DEVICE f16 f16_round_up(float x) {
   const f16 r = f16::from_float(x);
   if (!(r.to_float() < x)) {
     return r;
@@ -49,7 +50,7 @@ __device__ inline f16 f16_round_up(float x) {
   }
   return f16{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits - 1u : r.bits + 1u)};
 }
-__device__ inline f16 f16_round_down(float x) {
+OASISKV_HOST_DEVICE f16 f16_round_down(float x) {
   const f16 r = f16::from_float(x);
   if (!(r.to_float() > x)) {
     return r;
@@ -60,9 +61,27 @@ __device__ inline f16 f16_round_down(float x) {
   return f16{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits + 1u : r.bits - 1u)};
 }
 
-//! One CTA per KV head, a thread per dimension: tokens folded in order with the host's rule
-//! (`if (v > max) max = round_up(v)`, `if (v < min) min = round_down(v)`; NaN keys leave the
-//! bounds alone), so even the sign of a zero bound matches the host's.
+//! Folds `count` keys (`keys[t * stride]`) into one dimension's bounds, in order, with the
+//! host's rule (`if (v > max) max = round_up(v)`, `if (v < min) min = round_down(v)`; NaN keys
+//! leave the bounds alone), so even the sign of a zero bound matches the host's.
+template <class T>
+OASISKV_HOST_DEVICE void fold_dim(f16& hi, f16& lo, const T* keys, std::size_t stride,
+                                  std::uint32_t count) {
+  float hf = hi.to_float(), lf = lo.to_float();
+  for (std::uint32_t t = 0; t < count; ++t) {
+    const float v = to_float(keys[std::size_t{t} * stride]);
+    if (v > hf) {
+      hi = f16_round_up(v);
+      hf = hi.to_float();
+    }
+    if (v < lf) {
+      lo = f16_round_down(v);
+      lf = lo.to_float();
+    }
+  }
+}
+
+//! One CTA per KV head, a thread per dimension (`fold_dim`).
 template <class T>
 __global__ void __launch_bounds__(fold_threads) minmax_fold_kernel(const minmax_fold_args a) {
   const std::uint32_t h = blockIdx.x;
@@ -77,18 +96,7 @@ __global__ void __launch_bounds__(fold_threads) minmax_fold_kernel(const minmax_
     }
     f16 hi = a.fresh ? f16{0xFC00u} : hi_row[x];  // -inf
     f16 lo = a.fresh ? f16{0x7C00u} : lo_row[x];  // +inf
-    float hf = hi.to_float(), lf = lo.to_float();
-    for (std::uint32_t t = 0; t < a.count; ++t) {
-      const float v = to_float(keys[std::size_t{t} * a.token_stride + x]);
-      if (v > hf) {
-        hi = f16_round_up(v);
-        hf = hi.to_float();
-      }
-      if (v < lf) {
-        lo = f16_round_down(v);
-        lf = lo.to_float();
-      }
-    }
+    fold_dim(hi, lo, keys + x, a.token_stride, a.count);
     hi_row[x] = hi;
     lo_row[x] = lo;
   }
