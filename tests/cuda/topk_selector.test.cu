@@ -481,6 +481,33 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
             CHECK(got_refs[got_off[t] + i].index == expect[t][i]);
           }
         }
+
+        // The same selection captured in a CUDA graph (the workspace reserved first) and
+        // replayed into cleared outputs gives the same tables.
+        if (d == 128 && tokens == 4) {
+          cudaStream_t stream = nullptr;
+          OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+          oc::topk_selector::options co = o;
+          co.stream = stream;
+          oc::topk_selector captured(co);
+          captured.reserve(l, st.num_seqs, st.max_blocks, tokens);
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          OASISKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          captured.select(ds, r);
+          OASISKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+          OASISKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+          OASISKV_CUDA_CHECK(cudaMemset(refs.get(), 0xff, refs.size() * sizeof(block_ref)));
+          OASISKV_CUDA_CHECK(
+              cudaMemset(offsets.get(), 0xff, offsets.size() * sizeof(std::uint32_t)));
+          OASISKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+          OASISKV_CUDA_CHECK(cudaStreamSynchronize(stream));
+          CHECK(refs.download() == got_refs);
+          CHECK(offsets.download() == got_off);
+          OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+          OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
+          OASISKV_CUDA_CHECK(cudaStreamDestroy(stream));
+        }
       }
     }
   }
