@@ -40,7 +40,7 @@ fi
 
 say "== build the CUDA tests"
 tests=(test_cuda_core test_cuda_copy_engine test_cuda_sparse_decode test_cuda_topk_selector
-  test_cuda_device_summary)
+  test_cuda_device_summary test_cuda_kv_cache)
 if ! ninja -C "$build" -j "$(nproc)" "${tests[@]}" >>"$log" 2>&1; then
   say "error: building the CUDA tests failed (see $log)"
   status=1
