@@ -1,0 +1,269 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda::flashinfer_decode (FlashInfer's paged decode) and cuda::sparse_decode on the same inputs,
+// each against reference_decode on host copies and against each other: sparse selections (sinks,
+// recent window, a random middle; budget well below the context), several sequences, partial
+// last blocks, GQA, f16 and bf16, head dims 64 and 128, 1 and several causal query tokens; and
+// the checks before any launch. Built only where FlashInfer's headers were found.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cuda/cuda_support.cuh"
+#include "oasiskv/attention/reference_decode.hpp"
+#include "oasiskv/cuda/cuda.cuh"
+#include "oasiskv/cuda/flashinfer_decode.cuh"
+
+namespace {
+
+using oasiskv::block_ref;
+using oasiskv::errc;
+using oasiskv::testing::device_buffer;
+namespace oc = oasiskv::cuda;
+
+template <class F>
+errc error_code_of(F&& f) {
+  try {
+    f();
+  } catch (const oasiskv::error& e) {
+    return e.code();
+  }
+  return errc{};
+}
+
+// A batch on the host (for the reference) and its copy on the device. Each sequence keeps
+// `sinks` first blocks, `recent` last blocks (the last one partial unless the length is a
+// multiple of the block) and `middle` random blocks between: a budget far below the context.
+struct problem {
+  oasiskv::kv_layout layout;
+  std::uint32_t num_seqs, q_len;
+  std::vector<std::byte> pool;
+  std::uint32_t slots = 0;
+  std::vector<float> q;
+  std::vector<block_ref> refs;
+  std::vector<std::uint32_t> offsets{0}, lens;
+
+  problem(const oasiskv::kv_layout& l, std::uint32_t seqs, std::uint32_t qlen, std::mt19937& rng)
+      : layout(l), num_seqs(seqs), q_len(qlen) {
+    std::uniform_int_distribution<std::uint32_t> len_dist(60 * l.tokens_per_block,
+                                                          120 * l.tokens_per_block);
+    const std::uint32_t sinks = 2, recent = 4, middle = 8;
+    for (std::uint32_t s = 0; s < seqs; ++s) {
+      std::uint32_t len = len_dist(rng);
+      if (s == 0) {
+        len = len / l.tokens_per_block * l.tokens_per_block;  // a full last block too
+      }
+      lens.push_back(len);
+      const std::uint32_t blocks = l.blocks_for(len);
+      std::vector<std::uint32_t> chosen;
+      for (std::uint32_t b = 0; b < sinks; ++b) {
+        chosen.push_back(b);
+      }
+      for (std::uint32_t b = blocks - recent; b < blocks; ++b) {
+        chosen.push_back(b);
+      }
+      std::vector<std::uint32_t> mid(blocks - recent - sinks);
+      std::iota(mid.begin(), mid.end(), sinks);
+      std::shuffle(mid.begin(), mid.end(), rng);
+      chosen.insert(chosen.end(), mid.begin(), mid.begin() + middle);
+      std::shuffle(chosen.begin(), chosen.end(), rng);  // no kernel may rely on order
+      for (std::uint32_t b : chosen) {
+        refs.push_back({slots++, b});
+      }
+      offsets.push_back(static_cast<std::uint32_t>(refs.size()));
+    }
+    std::vector<std::uint32_t> perm(slots);
+    std::iota(perm.begin(), perm.end(), 0u);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (block_ref& r : refs) {
+      r.slot = perm[r.slot];
+    }
+    const auto elems = std::size_t{slots} * l.block_bytes() / l.elem_bytes();
+    pool.resize(std::size_t{slots} * l.block_bytes());
+    const auto values = oasiskv::testing::random_floats(elems, rng, -2.0f, 2.0f);
+    oasiskv::visit_dtype(l.kv_dtype, [&](auto e) {
+      using T = decltype(e);
+      auto* p = reinterpret_cast<T*>(pool.data());
+      for (std::size_t i = 0; i < elems; ++i) {
+        p[i] = oasiskv::from_float<T>(values[i]);
+      }
+    });
+    q = oasiskv::testing::random_floats(std::size_t{seqs} * qlen * l.num_q_heads * l.head_dim, rng);
+  }
+
+  oasiskv::decode_params host_params(float* out, float* lse) const {
+    oasiskv::decode_params p;
+    p.q = q.data();
+    p.pool = {const_cast<std::byte*>(pool.data()), layout.block_bytes(), slots, layout};
+    p.table = {refs.data(), offsets.data(), num_seqs, 1};
+    p.seq_lens = lens.data();
+    p.out = out;
+    p.lse = lse;
+    p.num_seqs = num_seqs;
+    p.q_len = q_len;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim));
+    return p;
+  }
+};
+
+struct device_problem {
+  device_buffer<std::byte> pool;
+  device_buffer<float> q, out, lse;
+  device_buffer<block_ref> refs;
+  device_buffer<std::uint32_t> offsets, lens;
+  oasiskv::decode_params p;
+
+  explicit device_problem(const problem& h)
+      : pool(h.pool),
+        q(h.q),
+        out(h.q.size()),
+        lse(h.q.size() / h.layout.head_dim),
+        refs(h.refs),
+        offsets(h.offsets),
+        lens(h.lens) {
+    p = h.host_params(out.get(), lse.get());
+    p.q = q.get();
+    p.pool.base = pool.get();
+    p.table.refs = refs.get();
+    p.table.offsets = offsets.get();
+    p.seq_lens = lens.get();
+    poison();
+  }
+  void poison() {  // every element must be written: NaN where one is not
+    OASISKV_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * sizeof(float)));
+    OASISKV_CUDA_CHECK(cudaMemset(lse.get(), 0xff, lse.size() * sizeof(float)));
+  }
+};
+
+struct result {
+  std::vector<float> out, lse;
+};
+
+result reference(const problem& h) {
+  result r{std::vector<float>(h.q.size()), std::vector<float>(h.q.size() / h.layout.head_dim)};
+  oasiskv::reference_decode{}.decode(h.host_params(r.out.data(), r.lse.data()));
+  return r;
+}
+
+// Relative L2 error of the outputs and the largest lse difference; NaN fails at once.
+void compare(const result& got, const result& want, double out_tol, float lse_tol) {
+  REQUIRE(got.out.size() == want.out.size());
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < got.out.size(); ++i) {
+    REQUIRE(std::isfinite(got.out[i]));
+    REQUIRE(std::isfinite(want.out[i]));
+    const double d = double{got.out[i]} - want.out[i];
+    num += d * d;
+    den += double{want.out[i]} * want.out[i];
+  }
+  CHECK(std::sqrt(num / den) < out_tol);
+  for (std::size_t i = 0; i < got.lse.size(); ++i) {
+    REQUIRE(std::isfinite(got.lse[i]));
+    CHECK(std::abs(got.lse[i] - want.lse[i]) < lse_tol * std::max(1.0f, std::abs(want.lse[i])));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda::flashinfer_decode and cuda::sparse_decode match reference_decode and each other") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(25);
+  for (const auto dt : {oasiskv::dtype::bf16, oasiskv::dtype::f16}) {
+    for (const std::uint32_t d : {64u, 128u}) {
+      for (const std::uint32_t group : {1u, 4u, 8u}) {
+        for (const std::uint32_t q_len : {1u, 3u}) {
+          const std::uint32_t tpb = q_len == 3 ? 7 : 16;  // odd block sizes: partial blocks
+          const oasiskv::kv_layout l{1, 2 * group, 2, d, tpb, dt};
+          CAPTURE(oasiskv::to_string(dt));
+          CAPTURE(d);
+          CAPTURE(group);
+          CAPTURE(q_len);
+          const problem h(l, 3, q_len, rng);
+          const result want = reference(h);
+          device_problem dev(h);
+
+          oc::sparse_decode_options so;
+          so.check_tables = true;
+          oc::sparse_decode(so).decode(dev.p);
+          const result own{dev.out.download(), dev.lse.download()};
+
+          dev.poison();
+          oc::flashinfer_decode().decode(dev.p);
+          const result fi{dev.out.download(), dev.lse.download()};
+
+          // Both accumulate in f32 over exactly stored f16/bf16 values and f32 queries, so they
+          // agree with the reference far below bf16's own precision (2^-8).
+          compare(own, want, 1e-3, 1e-3f);
+          compare(fi, want, 1e-3, 1e-3f);
+          compare(fi, own, 1e-3, 1e-3f);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda::flashinfer_decode: host tables, null slots, a larger GQA batch") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(7);
+  const oasiskv::kv_layout l{1, 32, 8, 128, 16, oasiskv::dtype::bf16};
+  problem h(l, 4, 1, rng);
+  // A dropped block (null_slot) is skipped by both the reference... which validates slots, so
+  // compare against a table without it.
+  problem without = h;
+  h.refs[3].slot = oasiskv::null_slot;
+  without.refs.erase(without.refs.begin() + 3);
+  for (std::size_t i = 1; i < without.offsets.size(); ++i) {
+    without.offsets[i] -= 1;
+  }
+  const result want = reference(without);
+  device_problem dev(h);
+  oasiskv::decode_params p = dev.p;
+  p.table.refs = h.refs.data();
+  p.table.offsets = h.offsets.data();
+  p.seq_lens = h.lens.data();
+  oc::flashinfer_decode k;
+  k.decode_host_tables(p);
+  compare({dev.out.download(), dev.lse.download()}, want, 1e-3, 1e-3f);
+  dev.poison();
+  dev.refs.upload(h.refs);
+  k.decode(dev.p);
+  compare({dev.out.download(), dev.lse.download()}, want, 1e-3, 1e-3f);
+}
+
+TEST_CASE("cuda::flashinfer_decode: bad input raises before any launch") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(5);
+  const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
+  const problem h(l, 2, 1, rng);
+  device_problem dev(h);
+  oc::flashinfer_decode k;
+  auto with = [&](auto change) {
+    oasiskv::decode_params p = dev.p;
+    change(p);
+    return error_code_of([&] { k.decode(p); });
+  };
+  std::vector<float> host_out(h.q.size());
+  CHECK(with([&](auto& p) { p.table.tables_per_seq = 2; }) == errc::unsupported);  // per head
+  CHECK(with([&](auto& p) { p.pool.layout.kv_dtype = oasiskv::dtype::f32; }) != errc{});
+  CHECK(with([&](auto& p) { p.pool.layout.num_q_heads = 10; }) == errc::unsupported);  // group 5
+  CHECK(with([&](auto& p) { p.q = h.q.data(); }) == errc::invalid_argument);  // host pointer
+  CHECK(with([&](auto& p) { p.out = host_out.data(); }) == errc::invalid_argument);
+  CHECK(with([&](auto& p) { p.q_len = 17; }) == errc::invalid_argument);
+  CHECK(with([&](auto& p) { p.table.num_seqs = 3; }) == errc::invalid_argument);
+  CHECK(with([&](auto& p) { p.q = p.q + 1; }) == errc::misaligned);
+  std::vector<block_ref> bad = h.refs;
+  bad[0].slot = h.slots + 3;
+  dev.refs.upload(bad);
+  CHECK(with([](auto&) {}) == errc::invalid_slot);
+  bad = h.refs;
+  bad[1] = bad[0];
+  dev.refs.upload(bad);
+  CHECK(with([](auto&) {}) == errc::invalid_argument);  // a block listed twice
+  dev.refs.upload(h.refs);
+  k.decode(dev.p);
+  compare({dev.out.download(), dev.lse.download()}, reference(h), 1e-3, 1e-3f);
+}
