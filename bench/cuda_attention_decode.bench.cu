@@ -6,6 +6,11 @@
 //   copy:      cuda::copy_engine, scattered 16-token blocks host -> device / one large pinned
 //              cudaMemcpyAsync                                              target >= 0.80
 //   selection: cuda::topk_selector (scoring + top-k) / dense attention at 32k     target <= 0.10
+//   flashinfer (built with OASISKV_BENCH_FLASHINFER, FlashInfer's headers on the include path):
+//              cuda::sparse_decode / cuda::flashinfer_decode on the same selection (budget 2048
+//              of 32k, Llama-3-8B's 32 q / 8 kv heads, dim 128, bf16, batch 1 and 32): time
+//              ratios own / FlashInfer of the kernels alone and of decode_host_tables (the
+//              facade's call: tables built on the host and uploaded each call)
 // A plain harness timed with CUDA events (median of repeats after warm-up), printing JSON: the
 // GPU machines have no Google Benchmark, and events time the device, not the host.
 // Usage: cuda_attention_decode_bench [output.json]. Exits 77 without a device.
@@ -24,6 +29,9 @@
 #include <vector>
 
 #include "oasiskv/cuda/cuda.cuh"
+#if defined(OASISKV_BENCH_FLASHINFER)
+#include "oasiskv/cuda/flashinfer_decode.cuh"
+#endif
 
 namespace {
 
@@ -116,6 +124,8 @@ struct decode_setup {
   float *q = nullptr, *out = nullptr, *lse = nullptr;
   block_ref* refs = nullptr;
   std::uint32_t *offsets = nullptr, *lens = nullptr;
+  std::vector<block_ref> host_refs;  // the tables, also on the host
+  std::vector<std::uint32_t> host_offsets, host_lens;
   oasiskv::decode_params p;
 
   decode_setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t context_blocks,
@@ -144,6 +154,9 @@ struct decode_setup {
     refs = device_copy(h);
     offsets = device_copy(off);
     lens = device_copy(len);
+    host_refs = h;
+    host_offsets = off;
+    host_lens = len;
     const std::size_t qn = std::size_t{seqs} * qlen * l.num_q_heads * l.head_dim;
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     std::vector<float> hq(qn);
@@ -235,6 +248,42 @@ int main(int argc, char** argv) {
                                   num("ratio_to_d2d_copy", ratio));
     }
   }
+
+#if defined(OASISKV_BENCH_FLASHINFER)
+  // 1b. The own kernel beside FlashInfer's paged decode on the same selection.
+  for (const std::uint32_t seqs : {1u, 32u}) {
+    decode_setup d(l, seqs, 2048, 128, 1, rng);
+    oasiskv::decode_params host = d.p;  // the same tables, on the host
+    host.table.refs = d.host_refs.data();
+    host.table.offsets = d.host_offsets.data();
+    host.seq_lens = d.host_lens.data();
+    oc::sparse_decode_options o;
+    o.stream = s;
+    o.asynchronous = true;
+    o.check_pointers = false;
+    oc::sparse_decode own(o);
+    oc::flashinfer_decode_options fo;
+    fo.stream = s;
+    fo.asynchronous = true;
+    fo.check_pointers = false;
+    oc::flashinfer_decode fi(fo);
+    own.decode(d.p);
+    fi.prepare(host);
+    const double own_ms = median_ms(s, [&] { own.decode(d.p); });
+    own.check_device_status();
+    const double fi_ms = median_ms(s, [&] { fi.launch_prepared(d.p); });
+    const double own_call_ms = median_ms(s, [&] { own.decode_host_tables(host); });
+    const double fi_call_ms = median_ms(s, [&] { fi.decode_host_tables(host); });
+    BENCH_CHECK(cudaStreamSynchronize(s));
+    record("sparse_decode_vs_flashinfer",
+           num("num_seqs", seqs) + ", " + num("budget_tokens", 2048) + ", " +
+               num("context", 32768) + ", " + num("selected_bytes", d.selected_bytes()) + ", " +
+               num("own_ms", own_ms) + ", " + num("flashinfer_ms", fi_ms) + ", " +
+               num("own_over_flashinfer", own_ms / fi_ms) + ", " + num("own_call_ms", own_call_ms) +
+               ", " + num("flashinfer_call_ms", fi_call_ms) + ", " +
+               num("own_over_flashinfer_call", own_call_ms / fi_call_ms));
+  }
+#endif
 
   // 2. Scoring + top-k vs dense attention at 32k.
   double select_ratio = 0.0;

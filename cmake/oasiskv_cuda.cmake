@@ -31,4 +31,38 @@ if(_oasiskv_own_binaries)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
     target_link_libraries(${target} PRIVATE oasiskv_cuda)
   endfunction()
+
+  # FlashInfer's headers (optional): cuda::flashinfer_decode's test and benchmark rows are built
+  # only where they are found. scripts/fetch-flashinfer.sh puts them in third_party_cache/.
+  find_path(OASISKV_FLASHINFER_INCLUDE_DIR
+    NAMES flashinfer/attention/decode.cuh
+    PATHS "${PROJECT_SOURCE_DIR}/third_party_cache/flashinfer/include"
+    NO_DEFAULT_PATH
+    DOC "FlashInfer's include folder (holds flashinfer/attention/decode.cuh), for the optional "
+        "cuda::flashinfer_decode test and benchmark rows")
+  if(OASISKV_FLASHINFER_INCLUDE_DIR)
+    add_library(oasiskv_flashinfer_headers INTERFACE)
+    target_include_directories(oasiskv_flashinfer_headers SYSTEM INTERFACE
+      "${OASISKV_FLASHINFER_INCLUDE_DIR}")
+    # FlashInfer's decode kernel uses sm_80 instructions (cp.async): its binaries leave out the
+    # older architectures of OASISKV_CUDA_ARCHITECTURES.
+    set(OASISKV_FLASHINFER_ARCHITECTURES "")
+    foreach(_arch IN LISTS OASISKV_CUDA_ARCHITECTURES)
+      string(REGEX MATCH "^[0-9]+" _arch_number "${_arch}")
+      if(_arch_number AND _arch_number GREATER_EQUAL 80)
+        list(APPEND OASISKV_FLASHINFER_ARCHITECTURES "${_arch}")
+      endif()
+    endforeach()
+    if(OASISKV_FLASHINFER_ARCHITECTURES)
+      message(STATUS "FlashInfer headers: ${OASISKV_FLASHINFER_INCLUDE_DIR} "
+                     "(cuda::flashinfer_decode test and benchmark rows built)")
+    else()
+      message(STATUS "FlashInfer headers found but no architecture >= 80 in "
+                     "OASISKV_CUDA_ARCHITECTURES: the FlashInfer test is not built")
+    endif()
+  else()
+    message(STATUS "FlashInfer headers not found: the cuda::flashinfer_decode test and benchmark "
+                   "rows are not built (run scripts/fetch-flashinfer.sh, or set "
+                   "-DOASISKV_FLASHINFER_INCLUDE_DIR=<folder holding flashinfer/>)")
+  endif()
 endif()

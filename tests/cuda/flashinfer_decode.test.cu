@@ -191,15 +191,21 @@ TEST_CASE("cuda::flashinfer_decode and cuda::sparse_decode match reference_decod
           oc::sparse_decode(so).decode(dev.p);
           const result own{dev.out.download(), dev.lse.download()};
 
-          dev.poison();
-          oc::flashinfer_decode().decode(dev.p);
-          const result fi{dev.out.download(), dev.lse.download()};
-
-          // Both accumulate in f32 over exactly stored f16/bf16 values and f32 queries, so they
-          // agree with the reference far below bf16's own precision (2^-8).
+          // Own: f32 accumulation and output over exactly stored f16/bf16 values and f32
+          // queries. FlashInfer: f32 accumulation, but its output (and, split, each partial
+          // output) is rounded to the KV type: about 2^-9 relative for bf16, 2^-11 for f16.
           compare(own, want, 1e-3, 1e-3f);
-          compare(fi, want, 1e-3, 1e-3f);
-          compare(fi, own, 1e-3, 1e-3f);
+          const double fi_tol = dt == oasiskv::dtype::bf16 ? 8e-3 : 2e-3;
+          for (const auto split : {oc::flashinfer_split::automatic, oc::flashinfer_split::never}) {
+            CAPTURE(split == oc::flashinfer_split::never);
+            dev.poison();
+            oc::flashinfer_decode_options fo;
+            fo.split = split;
+            oc::flashinfer_decode(fo).decode(dev.p);
+            const result fi{dev.out.download(), dev.lse.download()};
+            compare(fi, want, fi_tol, 1e-3f);
+            compare(fi, own, fi_tol, 1e-3f);
+          }
         }
       }
     }
@@ -211,8 +217,8 @@ TEST_CASE("cuda::flashinfer_decode: host tables, null slots, a larger GQA batch"
   std::mt19937 rng(7);
   const oasiskv::kv_layout l{1, 32, 8, 128, 16, oasiskv::dtype::bf16};
   problem h(l, 4, 1, rng);
-  // A dropped block (null_slot) is skipped by both the reference... which validates slots, so
-  // compare against a table without it.
+  // A dropped block (null_slot) is skipped; the reference rejects such entries, so it runs on
+  // the same table without that entry.
   problem without = h;
   h.refs[3].slot = oasiskv::null_slot;
   without.refs.erase(without.refs.begin() + 3);
@@ -227,11 +233,11 @@ TEST_CASE("cuda::flashinfer_decode: host tables, null slots, a larger GQA batch"
   p.seq_lens = h.lens.data();
   oc::flashinfer_decode k;
   k.decode_host_tables(p);
-  compare({dev.out.download(), dev.lse.download()}, want, 1e-3, 1e-3f);
+  compare({dev.out.download(), dev.lse.download()}, want, 8e-3, 1e-3f);
   dev.poison();
   dev.refs.upload(h.refs);
   k.decode(dev.p);
-  compare({dev.out.download(), dev.lse.download()}, want, 1e-3, 1e-3f);
+  compare({dev.out.download(), dev.lse.download()}, want, 8e-3, 1e-3f);
 }
 
 TEST_CASE("cuda::flashinfer_decode: bad input raises before any launch") {
@@ -248,6 +254,7 @@ TEST_CASE("cuda::flashinfer_decode: bad input raises before any launch") {
   };
   std::vector<float> host_out(h.q.size());
   CHECK(with([&](auto& p) { p.table.tables_per_seq = 2; }) == errc::unsupported);  // per head
+  // f32 KV: unsupported (here the f16-sized slots fail the pool's layout check first).
   CHECK(with([&](auto& p) { p.pool.layout.kv_dtype = oasiskv::dtype::f32; }) != errc{});
   CHECK(with([&](auto& p) { p.pool.layout.num_q_heads = 10; }) == errc::unsupported);  // group 5
   CHECK(with([&](auto& p) { p.q = h.q.data(); }) == errc::invalid_argument);  // host pointer
@@ -265,5 +272,5 @@ TEST_CASE("cuda::flashinfer_decode: bad input raises before any launch") {
   CHECK(with([](auto&) {}) == errc::invalid_argument);  // a block listed twice
   dev.refs.upload(h.refs);
   k.decode(dev.p);
-  compare({dev.out.download(), dev.lse.download()}, reference(h), 1e-3, 1e-3f);
+  compare({dev.out.download(), dev.lse.download()}, reference(h), 2e-3, 1e-3f);
 }

@@ -20,12 +20,16 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "oasiskv/cuda/detail/flashinfer_compat.cuh"  // before FlashInfer
 
 #include <flashinfer/attention/decode.cuh>
 #include <flashinfer/attention/default_decode_params.cuh>
+#include <flashinfer/attention/scheduler.cuh>
 #include <flashinfer/attention/variants.cuh>
 #include <flashinfer/page.cuh>
 
@@ -37,6 +41,12 @@
 
 namespace oasiskv::cuda {
 
+//! @brief Whether `cuda::flashinfer_decode` may split a request's pages over several CTAs.
+enum class flashinfer_split : std::uint8_t {
+  automatic,  //!< as FlashInfer's planner decides (few requests x KV heads: split, then merge)
+  never,      //!< one CTA per (request, KV head)
+};
+
 //! @brief How `cuda::flashinfer_decode` runs.
 struct flashinfer_decode_options {
   //! The stream the kernels go to (null: the legacy default stream).
@@ -47,6 +57,8 @@ struct flashinfer_decode_options {
   //! Check with cudaPointerGetAttributes that q, out, lse and the pool are device memory of the
   //! current device.
   bool check_pointers = true;
+  //! Split-KV: FlashInfer's choice, or never.
+  flashinfer_split split = flashinfer_split::automatic;
 };
 
 namespace detail {
@@ -140,7 +152,50 @@ class flashinfer_decode {
     run(p);
   }
 
+  //! @brief The first half of `decode_host_tables`: checks `p` (host tables), builds FlashInfer's
+  //! page lists and copies them to the device, launching nothing. With `launch_prepared` it
+  //! separates the per-call table upload from the kernels (benchmarks; a selection replayed
+  //! over several calls).
+  void prepare(const decode_params& p) const {
+    validate_shape(p);
+    std::lock_guard lock(state_->mutex);
+    upload(p);
+  }
+
+  //! @brief The second half of `decode_host_tables`: FlashInfer's kernel and the output
+  //! conversion over the page lists of the last `prepare` (or decode) call, with `p`'s q, out,
+  //! lse and pool. `p` must have the layout, `num_seqs` and `q_len` of that call
+  //! (`errc::invalid_argument` otherwise); its tables are not read.
+  void launch_prepared(const decode_params& p) const {
+    validate_shape(p);
+    std::lock_guard lock(state_->mutex);
+    const state& st = *state_;
+    if (!st.prepared || st.layout != p.pool.layout || st.num_seqs != p.num_seqs ||
+        st.q_len != p.q_len) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "cuda::flashinfer_decode::launch_prepared: num_seqs = ", p.num_seqs,
+                             ", q_len = ", p.q_len,
+                             " or the layout differ from the prepared call's (num_seqs = ",
+                             st.num_seqs, ", q_len = ", st.q_len, ")");
+    }
+    launch_all(p);
+  }
+
  private:
+  // Offsets (in int32) of the arrays inside the uploaded buffer.
+  struct lists {
+    std::size_t indices = 0, indptr = 0, last_page_len = 0, request = 0, tile = 0, o_indptr = 0,
+                chunk = 0, total = 0;
+    std::uint32_t tiles = 0;  // CTAs per KV head: requests, or their chunks when split
+    bool split = false;
+  };
+  // FlashInfer's split-KV decision (its DecodePlan without CUDA graphs).
+  struct split_plan {
+    bool split = false;
+    std::uint32_t chunk_pages = 0;
+    std::vector<std::int32_t> request, tile, o_indptr;
+  };
+
   struct state {
     std::mutex mutex;
     std::vector<std::int32_t> host;  // the page lists, as uploaded
@@ -148,7 +203,14 @@ class flashinfer_decode {
     std::size_t device_bytes = 0;
     void* o = nullptr;  // FlashInfer's output, in the KV type
     std::size_t o_bytes = 0;
+    void* tmp = nullptr;  // split-KV partial outputs (as FlashInfer sizes them) and lse
+    std::size_t tmp_bytes = 0;
     int device_id = -1;
+    // What the uploaded lists were built for (launch_prepared checks it).
+    bool prepared = false;
+    kv_layout layout{};
+    std::uint32_t num_seqs = 0, q_len = 0;
+    lists at{};
     state() = default;
     state(const state&) = delete;
     state& operator=(const state&) = delete;
@@ -157,14 +219,9 @@ class flashinfer_decode {
         detail::device_guard guard(device_id);
         (void)cudaFree(device);
         (void)cudaFree(o);
+        (void)cudaFree(tmp);
       }
     }
-  };
-
-  // Offsets (in int32) of the arrays inside the uploaded buffer.
-  struct lists {
-    std::size_t indices = 0, indptr = 0, last_page_len = 0, request = 0, tile = 0, chunk = 0;
-    std::size_t total = 0;
   };
 
   static void validate_shape(const decode_params& p) {
@@ -233,7 +290,7 @@ class flashinfer_decode {
 
   // Builds the page lists of every (sequence, query token) request from host tables, checking
   // each entry as `oasiskv::validate` does (null_slot entries skipped).
-  static lists build(const decode_params& p, std::vector<std::int32_t>& v) {
+  lists build(const decode_params& p, std::vector<std::int32_t>& v) const {
     const kv_layout& l = p.pool.layout;
     const std::size_t requests = std::size_t{p.num_seqs} * p.q_len;
     if (p.table.offsets[0] != 0) [[unlikely]] {
@@ -309,27 +366,97 @@ class flashinfer_decode {
         indptr.push_back(static_cast<std::int32_t>(pages.size()));
       }
     }
+    split_plan sp = plan_split(l, indptr, static_cast<std::uint32_t>(requests));
+    if (!sp.split) {
+      sp.request.resize(requests);
+      std::iota(sp.request.begin(), sp.request.end(), 0);
+      sp.tile.assign(requests, 0);
+      sp.o_indptr.resize(requests + 1);
+      std::iota(sp.o_indptr.begin(), sp.o_indptr.end(), 0);
+    }
+    auto round4 = [](std::size_t n) {
+      return (n + 3) / 4 * 4;
+    };  // 16-byte aligned arrays
     lists at;
+    at.tiles = static_cast<std::uint32_t>(sp.request.size());
+    at.split = sp.split;
     at.indices = 0;
-    at.indptr = (pages.size() + 3) / 4 * 4;  // 16-byte aligned arrays
-    at.last_page_len = at.indptr + (requests + 1 + 3) / 4 * 4;
-    at.request = at.last_page_len + (requests + 3) / 4 * 4;
-    at.tile = at.request + (requests + 3) / 4 * 4;
-    at.chunk = at.tile + (requests + 3) / 4 * 4;
+    at.indptr = round4(pages.size());
+    at.last_page_len = at.indptr + round4(requests + 1);
+    at.request = at.last_page_len + round4(requests);
+    at.tile = at.request + round4(at.tiles);
+    at.o_indptr = at.tile + round4(at.tiles);
+    at.chunk = at.o_indptr + round4(requests + 1);
     at.total = at.chunk + 4;
     v.assign(at.total, 0);
-    std::copy(pages.begin(), pages.end(), v.begin() + static_cast<std::ptrdiff_t>(at.indices));
-    std::copy(indptr.begin(), indptr.end(), v.begin() + static_cast<std::ptrdiff_t>(at.indptr));
-    std::copy(last.begin(), last.end(), v.begin() + static_cast<std::ptrdiff_t>(at.last_page_len));
-    for (std::size_t r = 0; r < requests; ++r) {
-      v[at.request + r] = static_cast<std::int32_t>(r);  // tiles stay 0: one tile per request
-    }
-    v[at.chunk] = std::numeric_limits<std::int32_t>::max();  // read, unused without partition
+    auto put = [&](const std::vector<std::int32_t>& from, std::size_t offset) {
+      std::copy(from.begin(), from.end(), v.begin() + static_cast<std::ptrdiff_t>(offset));
+    };
+    put(pages, at.indices);
+    put(indptr, at.indptr);
+    put(last, at.last_page_len);
+    put(sp.request, at.request);
+    put(sp.tile, at.tile);
+    put(sp.o_indptr, at.o_indptr);
+    v[at.chunk] = sp.split ? static_cast<std::int32_t>(sp.chunk_pages * l.tokens_per_block)
+                           : std::numeric_limits<std::int32_t>::max();  // unused unsplit
     return at;
+  }
+
+  // Whether and how FlashInfer would split the requests' pages into chunks, from its own work
+  // estimate (occupancy of its kernel, pages per request).
+  split_plan plan_split(const kv_layout& l, std::vector<std::int32_t>& indptr,
+                        std::uint32_t requests) const {
+    split_plan sp;
+    bool split = false;
+    std::uint32_t grid = 0, chunk_pages = 0, new_batch = 0, gdy = 0;
+    auto estimate = [&](auto kv_type, auto head_dim) {
+      using KV = decltype(kv_type);
+      constexpr std::uint32_t D = decltype(head_dim)::value;
+      using params_t = flashinfer::BatchDecodeParams<float, KV, KV, std::int32_t>;
+      using variant = flashinfer::DefaultAttention<false, false, false, false>;
+      cudaError_t e = cudaSuccess;
+      DISPATCH_GQA_GROUP_SIZE(l.group_size(), GROUP_SIZE, {
+        e = flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<
+            GROUP_SIZE, D, flashinfer::PosEncodingMode::kNone, variant, params_t>(
+            split, grid, chunk_pages, new_batch, gdy, requests, indptr.data(), l.num_q_heads,
+            l.tokens_per_block, /*enable_cuda_graph=*/false, options_.stream);
+      });
+      detail::check(e, "cuda::flashinfer_decode: FlashInfer's work estimate",
+                    errc::invalid_argument);
+    };
+    try {
+      const bool f16 = l.kv_dtype == dtype::f16;
+      if (l.head_dim == 64) {
+        f16 ? estimate(__half{}, std::integral_constant<std::uint32_t, 64>{})
+            : estimate(__nv_bfloat16{}, std::integral_constant<std::uint32_t, 64>{});
+      } else {
+        f16 ? estimate(__half{}, std::integral_constant<std::uint32_t, 128>{})
+            : estimate(__nv_bfloat16{}, std::integral_constant<std::uint32_t, 128>{});
+      }
+    } catch (const oasiskv::error&) {
+      throw;
+    } catch (const std::exception& x) {
+      oasiskv::detail::raise(errc::unsupported, "cuda::flashinfer_decode: FlashInfer: ", x.what());
+    }
+    if (!split || options_.split == flashinfer_split::never) {
+      return sp;
+    }
+    sp.split = true;
+    sp.chunk_pages = std::max(chunk_pages, 1u);
+    std::tie(sp.request, sp.tile, sp.o_indptr) =
+        flashinfer::DecodeSplitKVIndptr(indptr.data(), requests, sp.chunk_pages);
+    return sp;
   }
 
   void run(const decode_params& p) const {
     std::lock_guard lock(state_->mutex);
+    upload(p);
+    launch_all(p);
+  }
+
+  // Checks the pointers, builds the page lists and copies them to the device (mutex held).
+  void upload(const decode_params& p) const {
     state& st = *state_;
     const int device = detail::current_device();
     if (options_.check_pointers) {
@@ -350,6 +477,7 @@ class flashinfer_decode {
       detail::check(cudaStreamSynchronize(options_.stream),
                     "cuda::flashinfer_decode: the previous call's kernels");
     }
+    st.prepared = false;
     const lists at = build(p, st.host);
     const std::size_t bytes = at.total * sizeof(std::int32_t);
     if (st.device_bytes < bytes) {
@@ -362,9 +490,8 @@ class flashinfer_decode {
       st.device_id = device;
     }
     const kv_layout& l = p.pool.layout;
-    const auto requests = static_cast<std::uint32_t>(std::size_t{p.num_seqs} * p.q_len);
-    const std::uint32_t rows = requests * l.num_q_heads;
-    const std::size_t o_bytes = std::size_t{rows} * l.head_dim * l.elem_bytes();
+    const std::size_t o_bytes =
+        std::size_t{p.num_seqs} * p.q_len * l.num_q_heads * l.head_dim * l.elem_bytes();
     if (st.o_bytes < o_bytes) {
       (void)cudaFree(st.o);
       st.o = nullptr;
@@ -377,6 +504,20 @@ class flashinfer_decode {
     detail::check(
         cudaMemcpyAsync(st.device, st.host.data(), bytes, cudaMemcpyHostToDevice, options_.stream),
         "cuda::flashinfer_decode: uploading the page lists");
+    st.prepared = true;
+    st.layout = l;
+    st.num_seqs = p.num_seqs;
+    st.q_len = p.q_len;
+    st.at = at;
+  }
+
+  // FlashInfer's kernel and the output conversion over the uploaded lists (mutex held).
+  void launch_all(const decode_params& p) const {
+    const state& st = *state_;
+    const kv_layout& l = p.pool.layout;
+    const lists& at = st.at;
+    const auto requests = static_cast<std::uint32_t>(std::size_t{p.num_seqs} * p.q_len);
+    const std::uint32_t rows = requests * l.num_q_heads;
     auto* lists_d = static_cast<std::int32_t*>(st.device);
     auto finish = [&](auto* o) {
       const dim3 block(32, 8);
@@ -417,21 +558,30 @@ class flashinfer_decode {
                 static_cast<std::int32_t>(l.num_q_heads * l.head_dim),
                 static_cast<std::int32_t>(l.head_dim), /*window_left=*/-1,
                 /*logits_soft_cap=*/0.0f, p.scale, /*rope_scale=*/1.0f, /*rope_theta=*/1e4f);
-    fp.padded_batch_size = requests;
+    fp.padded_batch_size = at.tiles;
     fp.request_indices = d + at.request;
     fp.kv_tile_indices = d + at.tile;
+    fp.o_indptr = d + at.o_indptr;
     fp.kv_chunk_size_ptr = d + at.chunk;
-    fp.partition_kv = false;
+    fp.partition_kv = at.split;  // set again by the dispatch from tmp_v
+    KV* tmp_v = nullptr;         // null: FlashInfer's unsplit path
+    float* tmp_s = nullptr;
+    if (at.split) {
+      tmp_v = static_cast<KV*>(state_->tmp);
+      tmp_s = reinterpret_cast<float*>(static_cast<std::byte*>(state_->tmp) +
+                                       std::size_t{at.tiles} * l.num_q_heads * l.head_dim *
+                                           sizeof(float));
+    }
     using variant = flashinfer::DefaultAttention<false, false, false, false>;
     cudaError_t e = cudaSuccess;
     try {
       if (l.head_dim == 64) {
         e = flashinfer::BatchDecodeWithPagedKVCacheDispatched<
-            64, flashinfer::PosEncodingMode::kNone, variant>(fp, nullptr, nullptr, false,
+            64, flashinfer::PosEncodingMode::kNone, variant>(fp, tmp_v, tmp_s, false,
                                                              options_.stream);
       } else {
         e = flashinfer::BatchDecodeWithPagedKVCacheDispatched<
-            128, flashinfer::PosEncodingMode::kNone, variant>(fp, nullptr, nullptr, false,
+            128, flashinfer::PosEncodingMode::kNone, variant>(fp, tmp_v, tmp_s, false,
                                                               options_.stream);
       }
     } catch (const std::exception& x) {
