@@ -7,6 +7,8 @@
 #   cuda_bench.json         the benchmark's measurements (ratios to ceilings measured in the run)
 # Needs only the CUDA toolkit, CMake, ninja and g++: doctest comes from third_party_cache/ (run
 # scripts/prepare-gpu-check.sh beforehand where doctest-dev is installed, and carry that folder).
+# Where third_party_cache/flashinfer/include holds FlashInfer's headers (the same script fetches
+# them), cuda::flashinfer_decode's test and benchmark rows are built too (sm_80 and newer).
 # Builds for the local GPU's architecture only, to stay well inside 8 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,6 +43,15 @@ fi
 say "== build the CUDA tests"
 tests=(test_cuda_core test_cuda_copy_engine test_cuda_sparse_decode test_cuda_topk_selector
   test_cuda_device_summary test_cuda_kv_cache)
+flashinfer=third_party_cache/flashinfer/include
+bench_flashinfer=()
+if [ -f "$flashinfer/flashinfer/attention/decode.cuh" ] && [ "$arch" -ge 80 ]; then
+  tests+=(test_cuda_flashinfer_decode)
+  bench_flashinfer=(-isystem "$flashinfer" -DOASISKV_BENCH_FLASHINFER=1)
+  say "FlashInfer headers: $flashinfer (test and benchmark rows built)"
+else
+  say "FlashInfer headers absent (scripts/fetch-flashinfer.sh) or sm_$arch < 80: not built"
+fi
 if ! ninja -C "$build" -j "$(nproc)" "${tests[@]}" >>"$log" 2>&1; then
   say "error: building the CUDA tests failed (see $log)"
   status=1
@@ -56,7 +67,7 @@ say "== build and run the CUDA benchmark"
 # Benchmark (for the CPU benchmarks), which GPU machines lack; this one is a plain harness.
 bench="$build/cuda_attention_decode_bench"
 if "$nvcc" -std=c++20 -O3 -Iinclude --extended-lambda --expt-relaxed-constexpr \
-  -Werror=all-warnings -gencode "arch=compute_$arch,code=sm_$arch" \
+  -Werror=all-warnings -gencode "arch=compute_$arch,code=sm_$arch" "${bench_flashinfer[@]}" \
   bench/cuda_attention_decode.bench.cu -o "$bench" >>"$log" 2>&1; then
   timeout 300 "$bench" "$out/cuda_bench.json" 2>&1 | tee -a "$log" || status=1
 else

@@ -4,6 +4,9 @@
 # that has the CUDA toolkit, CMake and ninja but no Debian -dev packages and no network:
 #   third_party_cache/doctest/  the header-only doctest as a tiny CMake project (doctest::doctest)
 #   third_party_cache/fmt/      an empty stand-in: the CUDA targets never use fmt
+#   third_party_cache/flashinfer/include/  FlashInfer's headers (scripts/fetch-flashinfer.sh),
+#                               when not there yet and they can be fetched (optional: without
+#                               them gpu-check.sh leaves the FlashInfer rows out)
 # Run it here, then carry third_party_cache with the GPU run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,4 +25,8 @@ CMAKE
 cat >"$cache/fmt/CMakeLists.txt" <<'CMAKE'
 # Stand-in for fmt on machines without it: defines no target, so fmt-only targets are left out.
 CMAKE
+if [ ! -f "$cache/flashinfer/include/flashinfer/attention/decode.cuh" ]; then
+  scripts/fetch-flashinfer.sh ${FLASHINFER_SOURCE:+"$FLASHINFER_SOURCE"} ||
+    echo "warning: FlashInfer's headers not fetched; gpu-check.sh will leave its rows out" >&2
+fi
 echo "prepare-gpu-check.sh: $cache ready ($(du -sh "$cache" | cut -f1))"
