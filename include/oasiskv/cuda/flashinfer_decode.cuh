@@ -99,14 +99,21 @@ __global__ void flashinfer_finish_kernel(const KV* o, float* out, float* lse,
 //! block holding that position last with `last_page_len` = the tokens it shows (causality among
 //! the new tokens), so q_len > 1 reads the selection q_len times. Block order does not matter:
 //! no positional encoding is applied. `null_slot` entries are skipped. The page lists
-//! (`indices`, `indptr`, `last_page_len` and the trivial request/tile indices of the non-split
-//! path) are built on the host and copied to the device once per call; FlashInfer runs without
-//! its split-KV scheduler (no plan, no workspace: one CTA per request and KV head), and a small
-//! kernel turns its log2-based lse into the natural log.
+//! (`indices`, `indptr`, `last_page_len`, and the request/tile indices of FlashInfer's split-KV
+//! plan) are built on the host and copied to the device once per call. Whether to split a
+//! request's pages over several CTAs is FlashInfer's own work estimate
+//! (`BatchDecodeWithPagedKVCacheWorkEstimationDispatched`, `DecodeSplitKVIndptr`: its DecodePlan
+//! without CUDA graphs); split partials are merged by its `VariableLengthMergeStates`. A small
+//! kernel then widens the output to f32 and turns FlashInfer's log2-based lse into the natural
+//! log (requests that see no token: out 0, lse -inf).
+//!
+//! Precision: FlashInfer accumulates in f32 but writes its output (and split partials) in the KV
+//! type (its dispatch also instantiates the merge, which does not build for f32 output), so the
+//! output carries one rounding to bf16/f16 that `cuda::sparse_decode`'s does not.
 //!
 //! Supported: f16 and bf16 KV, head dims 64 and 128, GQA group sizes 1, 2, 3, 4, 6, 8, 16
-//! (FlashInfer's dispatch), 1-16 query tokens. `decode` copies the device tables back to the
-//! host first (synchronises; not capturable). Copies share their state.
+//! (FlashInfer's dispatch), 1-16 query tokens, sm_80 and newer. `decode` copies the device
+//! tables back to the host first (synchronises; not capturable). Copies share their state.
 class flashinfer_decode {
  public:
   using options = flashinfer_decode_options;
@@ -146,10 +153,34 @@ class flashinfer_decode {
   }
 
   //! @brief `decode` with `p.table.refs`, `p.table.offsets` and `p.seq_lens` in host memory
-  //! (what `tiered_kv_cache` builds). `q`, `out`, `lse` and the pool are device memory.
+  //! (what `tiered_kv_cache` builds). `q`, `out` and the pool are device memory; `lse` too, or
+  //! null: then a device buffer of the kernel's receives it.
   void decode_host_tables(const decode_params& p) const {
-    validate_shape(p);
-    run(p);
+    if (p.lse != nullptr) {
+      validate_shape(p);
+      run(p);
+      return;
+    }
+    decode_params d = p;  // a null lse (the facade's) writes to a buffer of the kernel's
+    std::lock_guard lock(state_->mutex);
+    state& st = *state_;
+    if (d.pool.layout.num_q_heads != 0) {
+      const std::size_t bytes =
+          std::size_t{d.num_seqs} * d.q_len * d.pool.layout.num_q_heads * sizeof(float);
+      if (st.lse_bytes < bytes) {
+        claim_device(st, detail::current_device());
+        (void)cudaFree(st.lse);
+        st.lse = nullptr;
+        st.lse_bytes = 0;
+        detail::check(cudaMalloc(&st.lse, bytes), "cuda::flashinfer_decode: lse buffer",
+                      errc::out_of_memory);
+        st.lse_bytes = bytes;
+      }
+      d.lse = static_cast<float*>(st.lse);
+    }
+    validate_shape(d);
+    upload(d);
+    launch_all(d);
   }
 
   //! @brief The first half of `decode_host_tables`: checks `p` (host tables), builds FlashInfer's
@@ -205,6 +236,8 @@ class flashinfer_decode {
     std::size_t o_bytes = 0;
     void* tmp = nullptr;  // split-KV partial outputs (as FlashInfer sizes them) and lse
     std::size_t tmp_bytes = 0;
+    void* lse = nullptr;  // decode_host_tables' lse when the caller passes none
+    std::size_t lse_bytes = 0;
     int device_id = -1;
     // What the uploaded lists were built for (launch_prepared checks it).
     bool prepared = false;
@@ -215,11 +248,18 @@ class flashinfer_decode {
     state(const state&) = delete;
     state& operator=(const state&) = delete;
     ~state() {
-      if (device_id >= 0) {
-        detail::device_guard guard(device_id);
-        (void)cudaFree(device);
-        (void)cudaFree(o);
-        (void)cudaFree(tmp);
+      if (device_id < 0) {
+        return;
+      }
+      int previous = -1;  // no throwing device_guard in a destructor
+      const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_id &&
+                            cudaSetDevice(device_id) == cudaSuccess;
+      (void)cudaFree(device);
+      (void)cudaFree(o);
+      (void)cudaFree(tmp);
+      (void)cudaFree(lse);
+      if (switched) {
+        (void)cudaSetDevice(previous);
       }
     }
   };
@@ -455,6 +495,16 @@ class flashinfer_decode {
     launch_all(p);
   }
 
+  // The kernel's buffers live on one device: the first it runs on.
+  static void claim_device(state& st, int device) {
+    if (st.device_id >= 0 && st.device_id != device) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "cuda::flashinfer_decode: called on device ",
+                             device, " but its buffers live on device ", st.device_id,
+                             " (use one kernel object per device)");
+    }
+    st.device_id = device;
+  }
+
   // Checks the pointers, builds the page lists and copies them to the device (mutex held).
   void upload(const decode_params& p) const {
     state& st = *state_;
@@ -468,11 +518,7 @@ class flashinfer_decode {
           p.pool.base + (std::size_t{p.pool.num_slots} * p.pool.slot_stride - 1);
       detail::require_device_pointer(last, device, "the last byte of decode_params.pool");
     }
-    if (st.device_id >= 0 && st.device_id != device) [[unlikely]] {
-      oasiskv::detail::raise(errc::invalid_argument, "cuda::flashinfer_decode: called on device ",
-                             device, " but its buffers live on device ", st.device_id,
-                             " (use one kernel object per device)");
-    }
+    claim_device(st, device);
     if (options_.asynchronous) {  // the previous call may still read the device lists
       detail::check(cudaStreamSynchronize(options_.stream),
                     "cuda::flashinfer_decode: the previous call's kernels");
@@ -487,7 +533,6 @@ class flashinfer_decode {
       detail::check(cudaMalloc(&st.device, bytes), "cuda::flashinfer_decode: page lists",
                     errc::out_of_memory);
       st.device_bytes = bytes;
-      st.device_id = device;
     }
     const kv_layout& l = p.pool.layout;
     const std::size_t o_bytes =
@@ -499,7 +544,6 @@ class flashinfer_decode {
       detail::check(cudaMalloc(&st.o, o_bytes), "cuda::flashinfer_decode: output buffer",
                     errc::out_of_memory);
       st.o_bytes = o_bytes;
-      st.device_id = device;
     }
     detail::check(
         cudaMemcpyAsync(st.device, st.host.data(), bytes, cudaMemcpyHostToDevice, options_.stream),
