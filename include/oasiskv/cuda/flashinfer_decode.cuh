@@ -130,20 +130,30 @@ class flashinfer_decode {
     validate_shape(p);
     const std::size_t tables = p.num_seqs;
     std::vector<std::uint32_t> offsets(tables + 1), lens(p.num_seqs);
-    detail::check(
-        cudaMemcpy(offsets.data(), p.table.offsets, offsets.size() * 4, cudaMemcpyDeviceToHost),
-        "cuda::flashinfer_decode: reading table.offsets", errc::invalid_argument);
-    detail::check(cudaMemcpy(lens.data(), p.seq_lens, lens.size() * 4, cudaMemcpyDeviceToHost),
-                  "cuda::flashinfer_decode: reading seq_lens", errc::invalid_argument);
-    if (offsets[0] != 0 || offsets.back() < offsets[0]) [[unlikely]] {
-      oasiskv::detail::raise(errc::invalid_argument, "block_table_view.offsets = [", offsets[0],
-                             " .. ", offsets.back(), "] must start at 0 and grow");
+    // On the kernel's stream, after whatever wrote the tables there (cuda::select_blocks).
+    auto read = [&](void* to, const void* from, std::size_t bytes, const char* what) {
+      detail::check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, options_.stream), what,
+                    errc::invalid_argument);
+      detail::check(cudaStreamSynchronize(options_.stream), what, errc::invalid_argument);
+    };
+    read(offsets.data(), p.table.offsets, offsets.size() * 4,
+         "cuda::flashinfer_decode: reading table.offsets");
+    read(lens.data(), p.seq_lens, lens.size() * 4, "cuda::flashinfer_decode: reading seq_lens");
+    if (offsets[0] != 0) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, "block_table_view.offsets[0] = ", offsets[0],
+                             " must be 0");
+    }
+    for (std::size_t t = 0; t < tables; ++t) {  // before sizing the copy by the last offset
+      if (offsets[t + 1] < offsets[t]) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument,
+                               "block_table_view.offsets decrease at table ", t, ": ", offsets[t],
+                               " -> ", offsets[t + 1]);
+      }
     }
     std::vector<block_ref> refs(offsets.back());
     if (!refs.empty()) {
-      detail::check(cudaMemcpy(refs.data(), p.table.refs, refs.size() * sizeof(block_ref),
-                               cudaMemcpyDeviceToHost),
-                    "cuda::flashinfer_decode: reading table.refs", errc::invalid_argument);
+      read(refs.data(), p.table.refs, refs.size() * sizeof(block_ref),
+           "cuda::flashinfer_decode: reading table.refs");
     }
     decode_params h = p;
     h.table.refs = refs.data();
