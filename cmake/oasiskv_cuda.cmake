@@ -34,6 +34,11 @@ if(_oasiskv_own_binaries)
 
   # FlashInfer's headers (optional): cuda::flashinfer_decode's test and benchmark rows are built
   # only where they are found. scripts/fetch-flashinfer.sh puts them in third_party_cache/.
+  if(OASISKV_FLASHINFER_INCLUDE_DIR AND
+     NOT EXISTS "${OASISKV_FLASHINFER_INCLUDE_DIR}/flashinfer/attention/decode.cuh")
+    # Found once, removed since (a cleaned third_party_cache/): look again.
+    unset(OASISKV_FLASHINFER_INCLUDE_DIR CACHE)
+  endif()
   find_path(OASISKV_FLASHINFER_INCLUDE_DIR
     NAMES flashinfer/attention/decode.cuh
     PATHS "${PROJECT_SOURCE_DIR}/third_party_cache/flashinfer/include"
