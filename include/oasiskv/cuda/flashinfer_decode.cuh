@@ -408,10 +408,13 @@ class flashinfer_decode {
         } else {
           last.push_back(static_cast<std::int32_t>(l.tokens_per_block));
         }
-        if (pages.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
+        // FlashInfer indexes pages with int32 and the batch's tokens with uint32.
+        if (pages.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()) ||
+            pages.size() * l.tokens_per_block > std::numeric_limits<std::uint32_t>::max())
             [[unlikely]] {
           oasiskv::detail::raise(errc::unsupported, "cuda::flashinfer_decode: ", pages.size(),
-                                 " pages exceed FlashInfer's int32 indptr");
+                                 " pages of ", l.tokens_per_block,
+                                 " tokens exceed FlashInfer's 32-bit page and token indices");
         }
         indptr.push_back(static_cast<std::int32_t>(pages.size()));
       }
