@@ -52,7 +52,8 @@ struct flashinfer_decode_options {
   //! The stream the kernels go to (null: the legacy default stream).
   cudaStream_t stream = nullptr;
   //! false: `decode` waits for its kernels and rethrows a device fault. true: stream-ordered
-  //! only (the page list it uploaded stays owned by the kernel object until the next call).
+  //! only; the next call that uploads page lists first waits for the stream, since the
+  //! kernels still read the previous ones.
   bool asynchronous = false;
   //! Check with cudaPointerGetAttributes that q, out, lse and the pool are device memory of the
   //! current device.
