@@ -85,8 +85,7 @@ class summary_scoring_predictor {
     // A fixed budget that covers every block keeps them all whatever their scores
     // (`block_selector::append_table`): such an input is not scored.
     const auto covered = [&](std::size_t i) {
-      return sp.target_mass == 0.0f &&
-             sp.budget_blocks >= ins[i].layout.blocks_for(ins[i].seq_len);
+      return sp.target_mass == 0.0f && sp.budget_blocks >= ins[i].layout.blocks_for(ins[i].seq_len);
     };
     // Scratch per (input, KV head) when scored in parallel; one set per input otherwise.
     const bool parallel = pool_ != nullptr && pool_->size() > 1 && n * kv_heads > 1;
