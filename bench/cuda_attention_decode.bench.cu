@@ -292,10 +292,10 @@ step_figures facade_steps(std::uint32_t fast_slots, std::uint32_t seqs, std::uin
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (std::uint32_t layer = 0; layer < layers; ++layer) {
-      for (std::uint32_t s = 0; s < seqs; ++s) {
-        const std::size_t at = (std::size_t{s} * 31 + layer * 17 + step) % pool_tokens * row;
-        c.append(ids[s], layer, kv.data() + at, kv.data() + at + row, 1);
-      }
+      // Each sequence's new token, batched: the write-through is waited for once per layer.
+      const std::size_t at = (std::size_t{layer} * 17 + step) % pool_tokens;
+      c.append(ids, layer, kv.data() + at * row,
+               kv.data() + (at + pool_tokens / 2) % pool_tokens * row, 1);
     }
     const std::size_t per_step = base.size();
     for (std::uint32_t layer = 0; layer < layers; ++layer) {

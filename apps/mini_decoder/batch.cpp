@@ -19,6 +19,9 @@ class batch_engine::cache {
   //! k, v: [n][kv_heads][head_dim] f16 bit patterns.
   virtual void append(oasiskv::sequence_id seq, std::uint32_t layer, const std::uint16_t* k,
                       const std::uint16_t* v, std::uint32_t n) = 0;
+  //! One token per sequence, k, v: [seqs][kv_heads][head_dim] (one batched append).
+  virtual void append(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
+                      const std::uint16_t* k, const std::uint16_t* v) = 0;
   //! One step's query per sequence, q [seqs][q_heads][head_dim]: predicts each one's next
   //! step's blocks (all of them scored together).
   virtual void lookahead(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
@@ -52,6 +55,10 @@ class shared_cache final : public batch_engine::cache {
   void append(oasiskv::sequence_id seq, std::uint32_t layer, const std::uint16_t* k,
               const std::uint16_t* v, std::uint32_t n) override {
     cache_.append(seq, layer, k, v, n);
+  }
+  void append(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
+              const std::uint16_t* k, const std::uint16_t* v) override {
+    cache_.append(seqs, layer, k, v, 1);
   }
   void lookahead(std::span<const oasiskv::sequence_id> seqs, std::uint32_t layer,
                  const float* q) override {
@@ -326,18 +333,16 @@ void batch_engine::retire_finished() {
       active_.end());
 }
 
-// One layer of a batched step: each sequence commits its new token's K,V, then one attend over
-// every active sequence (one query each), then their queries predict their next step together.
+// One layer of a batched step: every sequence commits its new token's K,V (one batched append),
+// then one attend over every active sequence (one query each), then their queries predict their
+// next step together.
 void batch_engine::attend_layer(std::uint32_t l, std::uint32_t n, const float* q, const float* k,
                                 const float* v, float* out) {
   to_f16_bits(k, v, std::size_t{n} * kv_dim_, k16_, v16_);
-  for (std::uint32_t i = 0; i < n; ++i) {
-    cache_->append(seq_ids_[i], l, k16_.data() + std::size_t{i} * kv_dim_,
-                   v16_.data() + std::size_t{i} * kv_dim_, 1);
-  }
+  const std::span<const oasiskv::sequence_id> seqs(seq_ids_.data(), n);
+  cache_->append(seqs, l, k16_.data(), v16_.data());
   const model_config& c = m_.config;
   lse_.resize(std::size_t{n} * c.num_heads);
-  const std::span<const oasiskv::sequence_id> seqs(seq_ids_.data(), n);
   cache_->attend(seqs, l, q, out, lse_.data());
   cache_->lookahead(seqs, l, q);
 }

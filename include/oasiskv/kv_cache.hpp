@@ -369,6 +369,44 @@ class tiered_kv_cache {
     writer_.append(ls, static_cast<const std::byte*>(k), static_cast<const std::byte*>(v), n);
   }
 
+  //! @brief `append` of `n` tokens to each of several sequences in one layer: `k` and `v` are
+  //! `[seqs][n][num_kv_heads][head_dim]`, sequence i's rows after sequence i - 1's. All or
+  //! nothing over the batch: every sequence is checked (unknown, repeated, past
+  //! `max_tokens_per_sequence`; null `k` or `v`) before any is written, and should a write fail
+  //! part-way every sequence holds exactly the tokens it held before. Where the fast tier queues
+  //! writes (`async_slot_io_tier`, as `cuda::device_tier` does) and the capacity tier is host
+  //! memory, the write-through to staged copies is queued for the whole batch and waited for
+  //! once, instead of once per sequence: a batched decoder's one call per layer.
+  void append(std::span<const sequence_id> seqs, std::uint32_t layer, const void* k, const void* v,
+              std::uint32_t n) {
+    std::lock_guard lock(mutex_);
+    append_batch_.clear();
+    for (const sequence_id seq : seqs) {
+      layer_state& ls = find(seq, "append").layer(layer, layout_);
+      if (std::find(append_batch_.begin(), append_batch_.end(), &ls) != append_batch_.end())
+          [[unlikely]] {
+        detail::raise(errc::invalid_argument, "append: sequence ", static_cast<std::uint64_t>(seq),
+                      " appears more than once");
+      }
+      if (std::uint64_t{ls.tokens} + n > options_.max_tokens_per_sequence) [[unlikely]] {
+        detail::raise(
+            errc::out_of_range, "append: ", n, " tokens to sequence ",
+            static_cast<std::uint64_t>(seq), " layer ", layer, " (", ls.tokens,
+            " tokens) would pass max_tokens_per_sequence = ", options_.max_tokens_per_sequence);
+      }
+      append_batch_.push_back(&ls);
+    }
+    if (n == 0 || seqs.empty()) {
+      return;
+    }
+    if (k == nullptr || v == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "append: null keys or values for ", seqs.size(),
+                    " sequences");
+    }
+    writer_.append_many(std::span<detail::layer_blocks* const>(append_batch_),
+                        static_cast<const std::byte*>(k), static_cast<const std::byte*>(v), n);
+  }
+
   //! @brief Predicts the blocks the next `attend` of (seq, layer) will need from the lookahead
   //! queries and starts staging them. A no-op for predictors that run at attention time.
   void lookahead(sequence_id seq, std::uint32_t layer, query_view queries) {
@@ -862,6 +900,7 @@ class tiered_kv_cache {
     std::vector<selection*> outs;
   };
   batch_scratch batch_;
+  std::vector<detail::layer_blocks*> append_batch_;  // the batched append's layers
   predictor_type predictor_;
   kernel_type kernel_;
   transfer_type engine_;

@@ -191,6 +191,32 @@ TEST_CASE("tiered_kv_cache on the GPU: a budget smaller than the context equals 
   run(64, false);
 }
 
+TEST_CASE("tiered_kv_cache on the GPU: a batched append queues the write-through, waits once") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(10);
+  gpu_cache cache(oasiskv::cuda::pinned_host_tier(layout, 256),
+                  oasiskv::cuda::device_tier(layout, 160), {.budget_tokens = 32, .scale = scale});
+  std::vector<sequence_id> ids;
+  for (int i = 0; i < 3; ++i) {
+    ids.push_back(cache.add_sequence());
+    append_random(cache, ids.back(), 40 + 7 * static_cast<std::uint32_t>(i), rng);
+  }
+  for (int i = 0; i < 20; ++i) {  // across block boundaries: new blocks staged on the way
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      const auto k = random_rows(static_cast<std::uint32_t>(ids.size()), rng);
+      const auto v = random_rows(static_cast<std::uint32_t>(ids.size()), rng);
+      cache.append(ids, l, k.data(), v.data(), 1);
+    }
+  }
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    CHECK(cache.length(ids[i], 0) == 60 + 7 * i);
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      step(cache, ids[i], l, false, rng);  // against the reference over the capacity tier
+    }
+  }
+  CHECK(cache.audit() > 0);  // every staged copy, written through in batches, is exact
+}
+
 TEST_CASE("cuda::device_tier: write_slot and read_slot copy part of a slot, checked") {
   oasiskv::testing::require_cuda_device_or_skip();
   const std::size_t bb = layout.block_bytes();

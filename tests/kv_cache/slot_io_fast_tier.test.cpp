@@ -102,10 +102,81 @@ class opaque_tier {
 static_assert(addressable_tier<opaque_tier> && slot_io_tier<opaque_tier>);
 static_assert(!host_accessible_tier<opaque_tier>);
 
-template <class Slow>
+// `opaque_tier` that also queues writes (`async_slot_io_tier`), as a device tier's stream does: a
+// queued write lands only at `complete_writes` (reading its source then), and a read or a
+// staging copy of a slot with a write queued fails the test, so a cache that let anything reach
+// such a slot before completing is caught. `fail_completion` makes the next completion throw
+// after writing garbage where the queued writes were going (the partial bytes of a failed copy).
+class queued_tier : public opaque_tier {
+ public:
+  queued_tier(const kv_layout& l, std::uint32_t n)
+      : opaque_tier(l, n), q_(std::make_unique<queue_state>(n)) {}
+
+  void write_slot_async(slot_id s, std::size_t offset, const std::byte* in, std::size_t n) {
+    REQUIRE(s < num_slots());
+    REQUIRE(offset <= layout().block_bytes());
+    REQUIRE(n <= layout().block_bytes() - offset);
+    REQUIRE(in != nullptr);
+    q_->writes.push_back({s, offset, in, n});
+    q_->pending[s] = true;
+    ++q_->queued;
+  }
+  void complete_writes() {
+    ++q_->completions;
+    const auto writes = std::move(q_->writes);
+    q_->writes.clear();
+    for (const auto& w : writes) {
+      q_->pending[w.s] = false;
+      if (q_->fail_completion) {
+        std::memset(backdoor(w.s) + w.offset, 0xab, w.n);
+      } else {
+        std::memcpy(backdoor(w.s) + w.offset, w.in, w.n);
+      }
+    }
+    if (q_->fail_completion && !writes.empty()) {
+      q_->fail_completion = false;
+      throw std::runtime_error("complete_writes: injected failure");
+    }
+  }
+
+  void write_slot(slot_id s, std::size_t offset, const std::byte* in, std::size_t n) {
+    CHECK_FALSE(q_->pending[s]);  // a synchronous write may not overtake a queued one
+    opaque_tier::write_slot(s, offset, in, n);
+  }
+  void read_slot(slot_id s, std::size_t offset, std::byte* out, std::size_t n) const {
+    CHECK_FALSE(q_->pending[s]);
+    opaque_tier::read_slot(s, offset, out, n);
+  }
+  void write_block(slot_id s, const std::byte* in) {  // the engine's thread: staging
+    CHECK_FALSE(q_->pending[s]);
+    opaque_tier::write_block(s, in);
+  }
+
+  struct queue_state {
+    explicit queue_state(std::uint32_t n) : pending(std::make_unique<std::atomic<bool>[]>(n)) {}
+    struct write {
+      slot_id s;
+      std::size_t offset;
+      const std::byte* in;
+      std::size_t n;
+    };
+    std::vector<write> writes;
+    std::unique_ptr<std::atomic<bool>[]> pending;  // per slot: a write is queued
+    std::uint64_t queued = 0, completions = 0;
+    bool fail_completion = false;
+  };
+  queue_state& queue() const noexcept { return *q_; }
+
+ private:
+  std::unique_ptr<queue_state> q_;
+};
+
+static_assert(async_slot_io_tier<queued_tier> && !host_accessible_tier<queued_tier>);
+
+template <class Slow, class Fast = opaque_tier>
 struct opaque_bundle {
   using allocator = free_list_allocator;
-  using fast_tier = opaque_tier;
+  using fast_tier = Fast;
   using slow_tier = Slow;
   using transfer = cpu_copy_engine;
   using predictor = lookahead_predictor<minmax_summary<>>;
@@ -114,6 +185,8 @@ struct opaque_bundle {
 };
 using over_host = opaque_bundle<host_tier>;
 using over_block_io = opaque_bundle<oasiskv::testing::gated_io_tier>;  // appends keep the tail
+using queued_over_host = opaque_bundle<host_tier, queued_tier>;
+using queued_over_block_io = opaque_bundle<oasiskv::testing::gated_io_tier, queued_tier>;
 
 // A CPU kernel posing as a device kernel: it takes host-built tables through
 // `decode_host_tables`, so the facade treats its queries as memory the predictor cannot read.
@@ -250,7 +323,7 @@ typename Bundle::slow_tier make_capacity(std::uint32_t slots) {
 }  // namespace
 
 TEST_CASE_TEMPLATE("tiered_kv_cache over a fast tier the CPU must not address", B, over_host,
-                   over_block_io) {
+                   over_block_io, queued_over_host) {
   for (const bool dense : {true, false}) {
     CAPTURE(dense);
     std::mt19937 rng(dense ? 11 : 12);
@@ -258,7 +331,7 @@ TEST_CASE_TEMPLATE("tiered_kv_cache over a fast tier the CPU must not address", 
     // layers of two sequences, so blocks are evicted and staged again.
     const std::uint32_t budget = dense ? 256 : 16;
     tiered_kv_cache<B> cache(
-        make_capacity<B>(128), opaque_tier(layout, dense ? 100 : 24),
+        make_capacity<B>(128), typename B::fast_tier(layout, dense ? 100 : 24),
         {.budget_tokens = budget, .sink_blocks = 1, .recent_blocks = 1, .scale = scale});
     auto& fast = cache.fast_tier().count();
     const sequence_id a = cache.add_sequence();
@@ -370,4 +443,201 @@ TEST_CASE("tiered_kv_cache with a device kernel: the step's selection must come 
   }
   CHECK(cache.audit() > 0);
   CHECK(cache.fast_tier().count().forbidden == 0);
+}
+
+namespace {
+
+// The rows of `n` tokens for each of `seqs` sequences, as the batched append takes them, and
+// the same rows one sequence at a time.
+struct batch_rows {
+  std::vector<std::byte> k, v;
+  std::size_t per_seq;
+  batch_rows(std::size_t seqs, std::uint32_t n, std::mt19937& rng)
+      : k(random_rows(static_cast<std::uint32_t>(seqs * n), rng)),
+        v(random_rows(static_cast<std::uint32_t>(seqs * n), rng)),
+        per_seq(std::size_t{n} * layout.num_kv_heads * layout.row_bytes()) {}
+  const std::byte* key(std::size_t i) const { return k.data() + i * per_seq; }
+  const std::byte* value(std::size_t i) const { return v.data() + i * per_seq; }
+};
+
+template <class Cache>
+std::vector<std::uint32_t> lengths(const Cache& c, const std::vector<sequence_id>& ids) {
+  std::vector<std::uint32_t> out;
+  for (const sequence_id s : ids) {
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      out.push_back(c.length(s, l));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a batched append equals one append per sequence, and queues its write-through",
+                   B, over_host, queued_over_host, queued_over_block_io) {
+  constexpr bool queues = std::is_same_v<typename B::fast_tier, queued_tier> &&
+                          host_accessible_tier<typename B::slow_tier>;
+  std::mt19937 rng(21);
+  // Two caches fed the same rows: one by batched appends, one by an append per sequence (the
+  // independent model). Fast memory for every block, so each sequence's last block is staged and
+  // every append writes through.
+  tiered_kv_cache<B> batched(make_capacity<B>(96), typename B::fast_tier(layout, 96),
+                             {.budget_tokens = 16, .scale = scale});
+  tiered_kv_cache<B> single(make_capacity<B>(96), typename B::fast_tier(layout, 96),
+                            {.budget_tokens = 16, .scale = scale});
+  std::vector<sequence_id> ids;
+  for (int i = 0; i < 3; ++i) {
+    ids.push_back(batched.add_sequence());
+    REQUIRE(single.add_sequence() == ids.back());
+  }
+  std::uint64_t calls_without_new_block = 0;
+  for (int step_no = 0; step_no < 9; ++step_no) {
+    const std::uint32_t n = step_no == 0 ? 10 : 1 + static_cast<std::uint32_t>(rng() % 2);
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      const batch_rows rows(ids.size(), n, rng);
+      bool new_block = false;
+      for (const sequence_id s : ids) {
+        new_block = new_block || batched.length(s, l) % layout.tokens_per_block == 0 ||
+                    batched.length(s, l) % layout.tokens_per_block + n > layout.tokens_per_block;
+      }
+      const auto before = [&] {
+        if constexpr (queues) {
+          return std::pair{batched.fast_tier().queue().queued,
+                           batched.fast_tier().queue().completions};
+        } else {
+          return std::pair{std::uint64_t{0}, std::uint64_t{0}};
+        }
+      }();
+      batched.append(ids, l, rows.k.data(), rows.v.data(), n);
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        single.append(ids[i], l, rows.key(i), rows.value(i), n);
+      }
+      if constexpr (queues) {
+        const auto& q = batched.fast_tier().queue();
+        CHECK(q.writes.empty());  // nothing left queued when the call returns
+        if (!new_block) {
+          // Every sequence's staged last block written through; all waited for once.
+          CHECK(q.queued - before.first == ids.size());
+          CHECK(q.completions - before.second == 1);
+          ++calls_without_new_block;
+        }
+      }
+    }
+    for (const sequence_id s : ids) {
+      for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+        CHECK(batched.length(s, l) == single.length(s, l));
+        // Attention over the batched cache equals the reference over its capacity tier, and
+        // the capacity tiers of the two caches hold the same bytes.
+        step(batched, s, l, 1, false, rng);
+        const auto bs = batched.block_slots(s, l), ss = single.block_slots(s, l);
+        REQUIRE(bs.size() == ss.size());
+        std::vector<std::byte> x(layout.block_bytes()), y(layout.block_bytes());
+        for (std::size_t b = 0; b < bs.size(); ++b) {
+          read_capacity_block(batched, bs[b], x.data());
+          read_capacity_block(single, ss[b], y.data());
+          CHECK(x == y);
+        }
+      }
+    }
+  }
+  if constexpr (queues) {
+    CHECK(calls_without_new_block > 0);
+  }
+  CHECK(batched.audit() > 0);  // every staged copy equals its capacity block
+  CHECK(batched.fast_tier().count().forbidden == 0);
+}
+
+TEST_CASE("a batched append checks every sequence before it writes any") {
+  std::mt19937 rng(22);
+  tiered_kv_cache<queued_over_host> cache(
+      host_tier(layout, 64), queued_tier(layout, 64),
+      {.budget_tokens = 16, .max_tokens_per_sequence = 12, .scale = scale});
+  const sequence_id a = cache.add_sequence(), b = cache.add_sequence();
+  append_random(cache, a, 5, rng);
+  append_random(cache, b, 11, rng);
+  const std::vector<std::uint32_t> held = lengths(cache, {a, b});
+  const batch_rows rows(3, 1, rng);
+  const std::uint64_t queued = cache.fast_tier().queue().queued;
+  const std::vector<sequence_id> unknown{a, sequence_id{99}}, twice{a, b, a}, ab{a, b};
+  expect_error([&] { cache.append(unknown, 0, rows.k.data(), rows.v.data(), 1); },
+               errc::unknown_sequence, "99");
+  expect_error(
+      [&] { cache.append(twice, 0, rows.k.data(), rows.v.data(), 1); }, errc::invalid_argument,
+      "sequence " + std::to_string(static_cast<std::uint64_t>(a)) + " appears more than once");
+  expect_error([&] { cache.append(ab, 0, nullptr, rows.v.data(), 1); }, errc::invalid_argument,
+               "null keys or values for 2 sequences");
+  expect_error([&] { cache.append(ab, 0, rows.k.data(), rows.v.data(), 2); }, errc::out_of_range,
+               "max_tokens_per_sequence = 12");
+  expect_error([&] { cache.append(ab, 2, rows.k.data(), rows.v.data(), 1); }, errc::out_of_range,
+               "layer 2 is outside");
+  CHECK(lengths(cache, {a, b}) == held);
+  CHECK(cache.fast_tier().queue().queued == queued);     // refused before anything was queued
+  cache.append(ab, 0, rows.k.data(), rows.v.data(), 0);  // nothing to append
+  CHECK(lengths(cache, {a, b}) == held);
+  CHECK(cache.audit() > 0);
+}
+
+TEST_CASE("a batched append that fails part-way leaves every sequence as it was") {
+  std::mt19937 rng(23);
+  SUBCASE("the queued write-through fails: the staged copies it reached are dropped") {
+    tiered_kv_cache<queued_over_host> cache(host_tier(layout, 64), queued_tier(layout, 64),
+                                            {.budget_tokens = 16, .scale = scale});
+    const std::vector<sequence_id> ids{cache.add_sequence(), cache.add_sequence()};
+    for (const sequence_id s : ids) {
+      append_random(cache, s, 6, rng);  // block 1 holds 2 tokens, staged as it was created
+    }
+    std::vector<slot_id> last;
+    for (const sequence_id s : ids) {
+      last.push_back(cache.block_slots(s, 0)[1]);
+      REQUIRE(cache.scheduler().is_ready(last.back()));
+    }
+    const std::vector<std::uint32_t> held = lengths(cache, ids);
+    cache.fast_tier().queue().fail_completion = true;
+    const batch_rows rows(ids.size(), 1, rng);
+    CHECK_THROWS_AS(cache.append(ids, 0, rows.k.data(), rows.v.data(), 1), std::runtime_error);
+    CHECK(lengths(cache, ids) == held);
+    for (const slot_id x : last) {  // garbage landed there: never attended, fetched again
+      CHECK_FALSE(cache.scheduler().resident_slot(x).has_value());
+    }
+    CHECK(cache.audit() > 0);
+    for (const sequence_id s : ids) {
+      for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+        step(cache, s, l, 1, true, rng);
+      }
+    }
+    cache.append(ids, 0, rows.k.data(), rows.v.data(), 1);  // and it works again
+    CHECK(cache.length(ids[1], 0) == held[layout.num_layers] + 1);
+    CHECK(cache.audit() > 0);
+  }
+  SUBCASE("no capacity slot is left for the last sequence: the earlier ones are undone") {
+    // 3 sequences of 8 tokens (2 full blocks each, 2 layers): 12 of 13 slots used; the next
+    // token of each needs a new block in layer 0, and only the first gets one.
+    tiered_kv_cache<queued_over_host> cache(host_tier(layout, 13), queued_tier(layout, 40),
+                                            {.budget_tokens = 16, .scale = scale});
+    std::vector<sequence_id> ids;
+    for (int i = 0; i < 3; ++i) {
+      ids.push_back(cache.add_sequence());
+      append_random(cache, ids.back(), 8, rng);
+    }
+    const std::vector<std::uint32_t> held = lengths(cache, ids);
+    std::vector<std::vector<slot_id>> slots;
+    for (const sequence_id s : ids) {
+      slots.push_back(cache.block_slots(s, 0));
+    }
+    const batch_rows rows(ids.size(), 1, rng);
+    CHECK_THROWS_AS(cache.append(ids, 0, rows.k.data(), rows.v.data(), 1), oasiskv::error);
+    CHECK(lengths(cache, ids) == held);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      CHECK(cache.block_slots(ids[i], 0) == slots[i]);
+    }
+    CHECK(cache.fast_tier().queue().writes.empty());
+    // The first sequence's new block was released: one sequence can append again.
+    const std::vector<sequence_id> one{ids[2]};
+    cache.append(one, 0, rows.key(2), rows.value(2), 1);
+    CHECK(cache.length(ids[2], 0) == 9);
+    CHECK(cache.audit() > 0);
+    for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+      step(cache, ids[2], l, 1, true, rng);
+    }
+  }
 }

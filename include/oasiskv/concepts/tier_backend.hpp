@@ -157,6 +157,25 @@ concept slot_io_tier = addressable_tier<T> &&
   { ct.read_slot(s, offset, out, n) } -> std::same_as<void>;
 };
 
+//! @brief A `slot_io_tier` that can also queue writes and complete them together, so a batch of
+//! small writes (a batched append's write-through: one per sequence) waits once, not once each.
+//!
+//! Additional expressions, for `t` a `T&` and the arguments as for `slot_io_tier`:
+//! - `t.write_slot_async(s, offset, in, n)`: checks its arguments as `write_slot` does (throwing
+//!   before anything is queued) and queues the copy. `in` must stay valid and unchanged until
+//!   the next `complete_writes` returns or throws.
+//! - `t.complete_writes()`: waits for every queued write; when it returns they are as complete
+//!   as `write_slot`'s. Where one failed it throws (`errc::transfer_failed`), and every slot
+//!   written since the previous completion holds unspecified bytes.
+//! Queued writes land in the order they were queued. The caller completes them before anything
+//! else may read or stage into their slots.
+template <class T>
+concept async_slot_io_tier = slot_io_tier<T> &&
+    requires(T& t, slot_id s, std::size_t offset, const std::byte* in, std::size_t n) {
+  { t.write_slot_async(s, offset, in, n) } -> std::same_as<void>;
+  { t.complete_writes() } -> std::same_as<void>;
+};
+
 //! @brief A tier that declares all its slots read-only: `T::read_only`, a constant convertible to
 //! `bool` and true (a remote node's memory this node may read but never write). A
 //! `composite_tier` whose first part declares it has `read_only_slots()`.

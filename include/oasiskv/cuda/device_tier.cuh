@@ -178,6 +178,27 @@ class device_tier {
     detail::check(cudaStreamSynchronize(stream_), "cuda::device_tier::write_slot: the copy");
   }
 
+  //! @brief `write_slot` without waiting (`async_slot_io_tier`): the copy is queued on
+  //! `stream()`; `in` must stay unchanged until `complete_writes` returns, and is best pinned
+  //! (from pageable memory CUDA stages the copy before it returns). Argument errors as
+  //! `write_slot`, before anything is queued.
+  void write_slot_async(slot_id s, std::size_t offset, const std::byte* in, std::size_t n) {
+    std::byte* dst = slot_data(s) + check_range(s, offset, n, in, "write_slot_async");
+    if (n == 0) {
+      return;
+    }
+    detail::device_guard guard(device_);
+    detail::check(cudaMemcpyAsync(dst, in, n, cudaMemcpyHostToDevice, stream_),
+                  "cuda::device_tier::write_slot_async: cudaMemcpyAsync");
+  }
+
+  //! @brief Waits for every write `write_slot_async` queued (one stream synchronisation). A
+  //! failed copy is `errc::transfer_failed`.
+  void complete_writes() {
+    detail::device_guard guard(device_);
+    detail::check(cudaStreamSynchronize(stream_), "cuda::device_tier::complete_writes");
+  }
+
   //! @brief Copies bytes `[offset, offset + n)` of slot `s` into `n` bytes of host memory at
   //! `out`; complete when it returns. Errors as `write_slot`.
   void read_slot(slot_id s, std::size_t offset, std::byte* out, std::size_t n) const {
@@ -258,5 +279,6 @@ class device_tier {
 static_assert(addressable_tier<device_tier>);
 static_assert(!host_accessible_tier<device_tier>);
 static_assert(slot_io_tier<device_tier>);
+static_assert(async_slot_io_tier<device_tier>);
 
 }  // namespace oasiskv::cuda

@@ -74,35 +74,46 @@ class block_writer {
   //! @brief Appends `n` tokens (`k`, `v`: `[n][num_kv_heads][head_dim]` elements) to `ls`.
   //! All or nothing (see the class comment).
   void append(layer_blocks& ls, const std::byte* kb, const std::byte* vb, std::uint32_t n) {
-    const std::size_t token_bytes = std::size_t{layout_.num_kv_heads} * layout_.row_bytes();
     append_undo undo{ls.tokens, ls.blocks.size(), false, {}};
     try {
-      for (std::uint32_t done = 0; done < n;) {
-        const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
-        const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
-        if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
-          if (offset == 0 && undo.first_summarized && undo.tail.empty()) {
-            undo.tail = std::move(ls.tail);  // the partial block's bytes, for the undo
-          }
-        }
-        const slot_id slot = writable_block(ls, offset);
-        if (offset == 0 && done + count == n) {
-          stage_created(ls, slot);  // the block this append leaves as the sequence's last
-        }
-        write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
-        undo.first_summarized = undo.first_summarized || offset != 0;
-        if constexpr (StageFull) {
-          if (offset + count == layout_.tokens_per_block) {
-            scheduler_.prefetch(std::span<const slot_id>(&slot, 1));  // full: stage it now
-          }
-        }
-        ls.tokens += count;
-        done += count;
-      }
+      append_rows(ls, kb, vb, n, undo);
     } catch (...) {
       undo_append(ls, undo);
       throw;
     }
+  }
+
+  //! @brief Appends `n` tokens to each of `lss` (distinct layers of distinct sequences): `k` and
+  //! `v` are `[lss.size()][n][num_kv_heads][head_dim]`. All or nothing over the batch: should
+  //! any part fail, every layer holds what it held before. Where the fast tier queues writes
+  //! (`async_slot_io_tier`) and the capacity tier's slots are host memory (the sources stay put
+  //! until the writes complete), the write-through of the whole batch is queued and completed
+  //! once; every scheduler call that may evict or stage (a slot a queued write targets could be
+  //! taken) completes the queued writes first.
+  void append_many(std::span<layer_blocks* const> lss, const std::byte* kb, const std::byte* vb,
+                   std::uint32_t n) {
+    const std::size_t bytes = std::size_t{n} * layout_.num_kv_heads * layout_.row_bytes();
+    undos_.clear();
+    undos_.reserve(lss.size());
+    deferring_ = can_defer;
+    try {
+      for (std::size_t i = 0; i < lss.size(); ++i) {
+        undos_.push_back({lss[i]->tokens, lss[i]->blocks.size(), false, {}});
+        append_rows(*lss[i], kb + i * bytes, vb + i * bytes, n, undos_.back());
+      }
+      complete_writes();
+    } catch (...) {
+      deferring_ = false;
+      try {
+        complete_writes();  // a failed write drops the staged copies it may have left partial
+      } catch (...) {
+      }
+      for (std::size_t i = undos_.size(); i-- > 0;) {
+        undo_append(*lss[i], undos_[i]);
+      }
+      throw;
+    }
+    deferring_ = false;
   }
 
   //! @brief Takes `slots` (`[layers][blocks]`, each layer's last block holding the rest of
@@ -284,6 +295,76 @@ class block_writer {
     return current;
   }
 
+  // Where a batched append queues its write-through (see `append_many`).
+  static constexpr bool can_defer =
+      async_slot_io_tier<Fast> && !host_accessible_tier<Fast> && host_accessible_tier<Slow>;
+
+  // Writes the rows of one layer's append; on failure, `undo` says what to restore.
+  template <class Undo>
+  void append_rows(layer_blocks& ls, const std::byte* kb, const std::byte* vb, std::uint32_t n,
+                   Undo& undo) {
+    const std::size_t token_bytes = std::size_t{layout_.num_kv_heads} * layout_.row_bytes();
+    for (std::uint32_t done = 0; done < n;) {
+      const std::uint32_t offset = ls.tokens % layout_.tokens_per_block;
+      const std::uint32_t count = std::min(n - done, layout_.tokens_per_block - offset);
+      if constexpr (block_io_tier<slow_tier_type> && !host_accessible_tier<slow_tier_type>) {
+        if (offset == 0 && undo.first_summarized && undo.tail.empty()) {
+          undo.tail = std::move(ls.tail);  // the partial block's bytes, for the undo
+        }
+      }
+      const slot_id slot = writable_block(ls, offset);
+      if (offset == 0 && done + count == n) {
+        stage_created(ls, slot);  // the block this append leaves as the sequence's last
+      }
+      write_rows(ls, slot, offset, count, kb + done * token_bytes, vb + done * token_bytes);
+      undo.first_summarized = undo.first_summarized || offset != 0;
+      if constexpr (StageFull) {
+        if (offset + count == layout_.tokens_per_block) {
+          complete_writes();  // the prefetch may evict a slot a queued write targets
+          scheduler_.prefetch(std::span<const slot_id>(&slot, 1));  // full: stage it now
+        }
+      }
+      ls.tokens += count;
+      done += count;
+    }
+  }
+
+  // Waits for the write-through queued by a batched append. Should a write fail, every staged
+  // copy written since the last completion is dropped (it may hold partial bytes), then the
+  // error propagates.
+  void complete_writes() {
+    if constexpr (can_defer) {
+      if (pending_.empty()) {
+        return;
+      }
+      try {
+        fast_.complete_writes();
+      } catch (...) {
+        for (const slot_id s : pending_) {
+          forget_quietly(s);
+        }
+        pending_.clear();
+        throw;
+      }
+      pending_.clear();
+    }
+  }
+
+  // Writes host bytes into a staged copy: queued during a batched append, else complete now.
+  void write_staged(slot_id source, slot_id staged, std::size_t offset, const std::byte* in,
+                    std::size_t n) {
+    if constexpr (can_defer) {
+      if (deferring_) {
+        pending_.reserve(pending_.size() + 1);  // before queuing: the record cannot then fail
+        fast_.write_slot_async(staged, offset, in, n);
+        pending_.push_back(source);
+        return;
+      }
+    }
+    (void)source;
+    fast_.write_slot(staged, offset, in, n);
+  }
+
   // What `append` restores when it fails part-way: the token count, the blocks it had, and
   // whether the summary of its partial last block took rows that are now dropped (then, for a
   // block-I/O capacity tier, `tail` holds that block's bytes once a later block replaced them).
@@ -376,6 +457,7 @@ class block_writer {
   // rest of the append, which forgets the new block, should it fail).
   void stage_created(layer_blocks& ls, slot_id slot) {
     if constexpr (fast_writable && new_block_staging_scheduler<Scheduler>) {
+      complete_writes();  // staging may evict a slot a queued write targets
       const auto f = scheduler_.stage_new(slot);
       if (!f) {
         return;  // no room: the step fetches it as before
@@ -389,7 +471,7 @@ class block_writer {
       if constexpr (host_accessible_tier<fast_tier_type>) {
         std::memcpy(fast_.slot_data(*f), bytes, layout_.block_bytes());
       } else {
-        fast_.write_slot(*f, 0, bytes, layout_.block_bytes());
+        write_staged(slot, *f, 0, bytes, layout_.block_bytes());
       }
     } else {
       (void)ls, (void)slot;
@@ -437,7 +519,7 @@ class block_writer {
         const std::size_t last =
             layout_.value_offset(layout_.num_kv_heads - 1) + std::size_t{offset + count} * row;
         try {
-          fast_.write_slot(*staged, first, block + first, last - first);
+          write_staged(slot, *staged, first, block + first, last - first);
         } catch (...) {
           forget_quietly(slot);
           throw;
@@ -461,6 +543,9 @@ class block_writer {
   refcounted_allocator<Allocator>& capacity_;
   Entries& entries_;
   std::uint32_t read_only_slots_ = 0;
+  bool deferring_ = false;          // within `append_many`, where `can_defer`
+  std::vector<slot_id> pending_;    // capacity slots whose staged copy has a queued write
+  std::vector<append_undo> undos_;  // `append_many`'s, one per layer in the batch
 };
 
 }  // namespace oasiskv::detail
