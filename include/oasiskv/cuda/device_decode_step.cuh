@@ -321,11 +321,7 @@ class device_decode_step {
                              "cuda::device_decode_step::enqueue: the stream's capture was "
                              "invalidated");
     }
-    enqueue_locked(x, stream);
-    if (st == cudaStreamCaptureStatusNone) {
-      detail::check(cudaEventRecord(buffers_.staging_read, stream),
-                    "cuda::device_decode_step: cudaEventRecord");
-    }
+    enqueue_locked(x, stream, st == cudaStreamCaptureStatusNone);
   }
 
   //! @brief Captures one step of shape `x` on `stream` into a graph (replacing a previous one).
@@ -346,7 +342,7 @@ class device_decode_step {
                   "cuda::device_decode_step: cudaStreamBeginCapture", errc::invalid_argument);
     cudaGraph_t graph = nullptr;
     try {
-      enqueue_locked(x, stream);
+      enqueue_locked(x, stream, false);
     } catch (...) {
       (void)cudaStreamEndCapture(stream, &graph);
       (void)cudaGraphDestroy(graph);
@@ -383,8 +379,9 @@ class device_decode_step {
     }
   }
 
-  //! @brief Blocks until the staging area is no longer read by an enqueued step (the copies of
-  //! the last `enqueue`, or the whole graph of the last `replay`); then the host may write it.
+  //! @brief Blocks until the staging area is no longer read: until the staging copies of the
+  //! last `enqueue` (made outside a capture) are done, or the whole graph of the last `replay`.
+  //! Then the host may write the next step's inputs, while the rest of an enqueued step runs.
   void wait_staging() {
     detail::check(cudaEventSynchronize(buffers_.staging_read),
                   "cuda::device_decode_step: waiting for the staging copies");
@@ -567,7 +564,9 @@ class device_decode_step {
     }
   }
 
-  void enqueue_locked(const io& x, cudaStream_t stream) {
+  // `record`: mark the end of the staging copies with `staging_read` (not while capturing: an
+  // event recorded in a capture cannot be waited on from the host).
+  void enqueue_locked(const io& x, cudaStream_t stream, bool record) {
     const kv_layout& l = summary_->layout();
     const device_step_staging_layout& sl = staging_layout_;
     const std::uint32_t budget = options_.selection.budget_blocks;
@@ -580,6 +579,10 @@ class device_decode_step {
     copy(sl.lens_offset(), std::size_t{x.num_seqs} * 4, "cuda::device_decode_step: seq_lens");
     copy(sl.ids_offset(), rows, "cuda::device_decode_step: summary_ids");
     copy(sl.caps_offset(), rows, "cuda::device_decode_step: capacity_slots");
+    if (record) {
+      detail::check(cudaEventRecord(buffers_.staging_read, stream),
+                    "cuda::device_decode_step: cudaEventRecord");
+    }
     detail::check(cudaMemsetAsync(buffers_.pair_count, 0, 4, stream),
                   "cuda::device_decode_step: clearing the copy count");
 
