@@ -138,7 +138,8 @@ TEST_CASE("device_decode_step: options and step shapes are checked on the host")
   bad_io([](auto& y) { y.q += 1; }, e::misaligned, "q = ");
 }
 
-TEST_CASE("device_decode_step: staging layout and block token arithmetic") {
+TEST_CASE("device_decode_step: staging layout, staging checks and block token arithmetic") {
+  using e = oasiskv::errc;
   const oc::device_step_staging_layout sl{3, 5};
   CHECK(sl.lens_offset() == 0);
   CHECK(sl.ids_offset() == 4);  // 3 lengths, rounded to 16 bytes
@@ -160,6 +161,51 @@ TEST_CASE("device_decode_step: staging layout and block token arithmetic") {
   CHECK(tokens_in_block(32, 2, 16) == 0);
   CHECK(tokens_in_block(0xffffffffu, 0xffffffffu, 1024) == 0);  // no overflow
   CHECK(tokens_in_block(0xffffffffu, 4194303u, 1024) == 1023);
+  {
+    // validate_staging over a host staging area: 2 of 4 sequences, 16-token blocks, at most 5
+    // blocks each, a summary of 40 entries, a capacity pool of 256 slots.
+    const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
+    auto o = host_options(l);
+    o.max_blocks = 5;
+    const oc::device_step_staging_layout layout{o.max_seqs, o.max_blocks};
+    std::vector<std::uint32_t> words(layout.words(), 0);
+    auto lens = [&](std::uint32_t s) -> std::uint32_t& {
+      return words[layout.lens_offset() + s];
+    };
+    auto id = [&](std::uint32_t s, std::uint32_t i) -> std::uint32_t& {
+      return words[layout.row(layout.ids_offset(), s) + i];
+    };
+    auto cap = [&](std::uint32_t s, std::uint32_t i) -> std::uint32_t& {
+      return words[layout.row(layout.caps_offset(), s) + i];
+    };
+    lens(0) = 80;  // 5 full blocks
+    lens(1) = 33;  // 3 blocks
+    lens(2) = 0;   // not in the step: never read
+    id(2, 0) = 1000;
+    for (std::uint32_t i = 0; i < 5; ++i) {
+      id(0, i) = 39 - i;
+      cap(0, i) = 255 - i;
+      id(1, i) = i;
+      cap(1, i) = i;
+    }
+    id(1, 3) = 1000;  // past sequence 1's blocks: never read
+    cap(1, 4) = 1000;
+    auto check = [&](std::uint32_t q_len) {
+      oc::device_decode_step::validate_staging(o, 16, 40, words.data(), 2, q_len);
+    };
+    CHECK_NOTHROW(check(4));
+    require_error([&] { check(34); }, e::invalid_argument, "seq_lens[1] = 33 is below q_len = 34");
+    lens(0) = 81;  // 6 blocks
+    require_error([&] { check(1); }, e::out_of_range, "seq_lens[0] = 81 takes 6 blocks");
+    lens(0) = 80;
+    id(1, 2) = 40;
+    require_error([&] { check(1); }, e::out_of_range, "summary_ids(1)[2] = 40");
+    id(1, 2) = 2;
+    cap(0, 4) = 256;
+    require_error([&] { check(1); }, e::invalid_slot, "capacity_slots(0)[4] = 256");
+    cap(0, 4) = 251;
+    CHECK_NOTHROW(check(1));
+  }
   for (std::uint32_t len = 0; len < 70; ++len) {
     const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
     for (std::uint32_t b = 0; b < l.blocks_for(len); ++b) {
@@ -529,17 +575,53 @@ TEST_CASE("device_decode_step: argument errors are thrown before anything is enq
   CHECK_FALSE(step.captured());
   require_error([&] { (void)step.summary_ids(2); }, e::out_of_range, "sequence 2");
 
-  // A capacity slot outside the pool is not copied and is reported.
+  // The staging area, checked on the host before anything is enqueued.
   for (std::uint32_t q = 0; q < 2; ++q) {
-    step.seq_lens()[q] = 40;
+    step.seq_lens()[q] = 40;  // 3 blocks
     for (std::uint32_t i = 0; i < 16; ++i) {
       step.summary_ids(q)[i] = q * 16 + i;
       step.capacity_slots(q)[i] = q * 16 + i;
     }
   }
-  step.capacity_slots(1)[0] = w.slots;  // the sink block of sequence 1
-  step.enqueue(x, s);
-  require_error([&] { step.check_status(s); }, e::invalid_slot, "capacity_slots");
-  CHECK_NOTHROW(step.check_status(s));  // cleared
+  auto staging_refused = [&](auto edit, auto undo, e code, const std::string& text) {
+    edit();
+    OASISKV_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    require_error([&] { step.enqueue(x, s); }, code, text);
+    cudaGraph_t g2 = nullptr;
+    OASISKV_CUDA_CHECK(cudaStreamEndCapture(s, &g2));
+    std::size_t n2 = 1;
+    OASISKV_CUDA_CHECK(cudaGraphGetNodes(g2, nullptr, &n2));
+    CHECK(n2 == 0);
+    OASISKV_CUDA_CHECK(cudaGraphDestroy(g2));
+    undo();
+  };
+  staging_refused([&] { step.seq_lens()[1] = 0; }, [&] { step.seq_lens()[1] = 40; },
+                  e::invalid_argument, "seq_lens[1] = 0 is below q_len = 1");
+  staging_refused([&] { step.seq_lens()[0] = 16 * 16 + 1; }, [&] { step.seq_lens()[0] = 40; },
+                  e::out_of_range, "more than max_blocks = 16");
+  staging_refused([&] { step.summary_ids(1)[2] = w.slots; }, [&] { step.summary_ids(1)[2] = 18; },
+                  e::out_of_range, "summary_ids(1)[2]");
+  staging_refused([&] { step.capacity_slots(1)[0] = w.slots; },
+                  [&] { step.capacity_slots(1)[0] = 16; }, e::invalid_slot, "capacity_slots(1)[0]");
+  // replay checks the staging area too, for the captured shape.
+  step.capture(x, s);
+  step.seq_lens()[0] = 0;
+  require_error([&] { step.replay(s); }, e::invalid_argument, "seq_lens[0] = 0");
+  step.seq_lens()[0] = 40;
+
+  // Unchecked, a capacity slot outside the pool is not copied and check_status reports it.
+  o.check_staging = false;
+  oc::device_decode_step unchecked(ds, o);
+  for (std::uint32_t q = 0; q < 2; ++q) {
+    unchecked.seq_lens()[q] = 40;
+    for (std::uint32_t i = 0; i < 16; ++i) {
+      unchecked.summary_ids(q)[i] = q * 16 + i;
+      unchecked.capacity_slots(q)[i] = q * 16 + i;
+    }
+  }
+  unchecked.capacity_slots(1)[0] = w.slots;  // the sink block of sequence 1
+  unchecked.enqueue(x, s);
+  require_error([&] { unchecked.check_status(s); }, e::invalid_slot, "capacity_slots");
+  CHECK_NOTHROW(unchecked.check_status(s));  // cleared
   OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
 }

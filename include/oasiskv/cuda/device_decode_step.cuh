@@ -65,6 +65,10 @@ struct device_decode_step_options {
   //! Check with `cudaPointerGetAttributes` that the pointers of each `device_decode_step_io`
   //! are device memory of the current device (before anything is enqueued).
   bool check_pointers = true;
+  //! Check the staging area on the host before each `enqueue` and `replay` (it is host memory:
+  //! no device data is read): every length at least `q_len` and within `max_blocks` blocks,
+  //! every summary id and capacity slot of a block in range. O(blocks) per step.
+  bool check_staging = true;
   //! The capture mode `capture` begins with.
   cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeThreadLocal;
 };
@@ -243,6 +247,43 @@ class device_decode_step {
     }
   }
 
+  //! @brief Checks the host inputs of a step of `num_seqs` sequences and `q_len` query tokens
+  //! in a staging area laid out as `device_step_staging_layout{o.max_seqs, o.max_blocks}`
+  //! (`words`: the area), for a summary of `summary_capacity` entries, without touching the
+  //! driver. Throws `oasiskv::error` naming the sequence, block and value.
+  static void validate_staging(const options& o, std::uint32_t tokens_per_block,
+                               std::uint32_t summary_capacity, const std::uint32_t* words,
+                               std::uint32_t num_seqs, std::uint32_t q_len) {
+    const device_step_staging_layout sl{o.max_seqs, o.max_blocks};
+    for (std::uint32_t s = 0; s < num_seqs; ++s) {
+      const std::uint32_t len = words[sl.lens_offset() + s];
+      if (len < q_len) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument, "cuda::device_decode_step: seq_lens[", s,
+                               "] = ", len, " is below q_len = ", q_len);
+      }
+      const std::uint64_t blocks = (std::uint64_t{len} + tokens_per_block - 1) / tokens_per_block;
+      if (blocks > o.max_blocks) [[unlikely]] {
+        oasiskv::detail::raise(errc::out_of_range, "cuda::device_decode_step: seq_lens[", s,
+                               "] = ", len, " takes ", blocks,
+                               " blocks, more than max_blocks = ", o.max_blocks);
+      }
+      const std::uint32_t* ids = words + sl.row(sl.ids_offset(), s);
+      const std::uint32_t* caps = words + sl.row(sl.caps_offset(), s);
+      for (std::uint32_t i = 0; i < blocks; ++i) {
+        if (ids[i] >= summary_capacity) [[unlikely]] {
+          oasiskv::detail::raise(errc::out_of_range, "cuda::device_decode_step: summary_ids(", s,
+                                 ")[", i, "] = ", ids[i], " >= the summary's capacity ",
+                                 summary_capacity);
+        }
+        if (caps[i] >= o.capacity.num_slots) [[unlikely]] {
+          oasiskv::detail::raise(errc::invalid_slot, "cuda::device_decode_step: capacity_slots(", s,
+                                 ")[", i, "] = ", caps[i], " >= the capacity pool's ",
+                                 o.capacity.num_slots, " slots");
+        }
+      }
+    }
+  }
+
   //! @brief Allocates every buffer on the current device and checks the pools' memory kinds.
   //! `summary` must outlive the object.
   device_decode_step(const device_minmax_summary& summary, const options& o)
@@ -313,7 +354,7 @@ class device_decode_step {
   //! @brief Enqueues one step on `stream` (see the class). Validates everything first;
   //! capturable when `stream` is being captured by the caller.
   void enqueue(const io& x, cudaStream_t stream) {
-    check_io(x);
+    check_io(x, true);
     std::lock_guard lock(mutex_);
     const cudaStreamCaptureStatus st = capture_status(stream);
     if (st == cudaStreamCaptureStatusInvalidated) [[unlikely]] {
@@ -327,7 +368,7 @@ class device_decode_step {
   //! @brief Captures one step of shape `x` on `stream` into a graph (replacing a previous one).
   //! `stream` must not be the legacy default stream nor be capturing already. Nothing runs.
   void capture(const io& x, cudaStream_t stream) {
-    check_io(x);
+    check_io(x, false);
     if (stream == nullptr || stream == cudaStreamLegacy) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument,
                              "cuda::device_decode_step::capture: the legacy default stream "
@@ -365,12 +406,17 @@ class device_decode_step {
   //! @brief The shape and buffers the captured graph runs with.
   const io& captured_io() const noexcept { return captured_; }
 
-  //! @brief Launches the captured graph on `stream` (no validation beyond its existence).
+  //! @brief Launches the captured graph on `stream`, after checking the staging area for the
+  //! captured shape (`check_staging`).
   void replay(cudaStream_t stream) {
     std::lock_guard lock(mutex_);
     if (exec_ == nullptr) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument,
                              "cuda::device_decode_step::replay: nothing was captured");
+    }
+    if (options_.check_staging) {
+      validate_staging(options_, summary_->layout().tokens_per_block, summary_->capacity(),
+                       buffers_.host, captured_.num_seqs, captured_.q_len);
     }
     detail::check(cudaGraphLaunch(exec_, stream), "cuda::device_decode_step: cudaGraphLaunch");
     if (capture_status(stream) == cudaStreamCaptureStatusNone) {
@@ -548,8 +594,14 @@ class device_decode_step {
     }
   }
 
-  void check_io(const io& x) const {
+  // Everything `enqueue` (`staging`) and `capture` check before anything is enqueued. A capture
+  // reads no staging (its graph does, at each replay, which checks it then).
+  void check_io(const io& x, bool staging) const {
     validate(options_, x);
+    if (staging && options_.check_staging) {
+      validate_staging(options_, summary_->layout().tokens_per_block, summary_->capacity(),
+                       buffers_.host, x.num_seqs, x.q_len);
+    }
     if (options_.check_pointers) {
       detail::require_device_pointer(x.q, device_, "device_decode_step_io.q");
       detail::require_device_pointer(x.lookahead, device_, "device_decode_step_io.lookahead");
