@@ -139,9 +139,11 @@ struct device_step_staging_layout {
 //! (`wait_staging`); a block's capacity copy changes only by appending tokens (then the step
 //! copies it again), else call `invalidate`; a sequence's summary entries are up to date before
 //! its step; steps of one object are ordered (one stream, or events between streams). Argument
-//! errors are `oasiskv::error`s thrown before anything is enqueued; what only the device sees
-//! (a sequence longer than `max_blocks`, a capacity slot outside the pool, a bad table entry)
-//! is reported by `check_status`. Thread-safe (calls are serialised).
+//! errors, and with `check_staging` bad staging entries, are `oasiskv::error`s thrown before
+//! anything is enqueued; without `check_staging` the caller guarantees summary ids in range (the
+//! scoring kernel reads them unchecked), and a sequence longer than `max_blocks` or a capacity
+//! slot outside the pool is left out by the device and reported by `check_status`, as is a table
+//! entry the decode kernel skipped. Thread-safe (calls are serialised).
 class device_decode_step {
  public:
   using options = device_decode_step_options;
