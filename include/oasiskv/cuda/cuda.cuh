@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief Umbrella header of the CUDA models (nvcc only): tiers, copy engine, decode attention
-//! and the GPU block selection.
+//! @brief Umbrella header of the CUDA models (nvcc only): tiers, copy engine, decode attention,
+//! the GPU block selection and the capturable decode step.
 #pragma once
 
 #include "oasiskv/cuda/copy_engine.cuh"
+#include "oasiskv/cuda/device_decode_step.cuh"
 #include "oasiskv/cuda/device_tier.cuh"
 #include "oasiskv/cuda/pinned_host_tier.cuh"
 #include "oasiskv/cuda/sparse_decode.cuh"

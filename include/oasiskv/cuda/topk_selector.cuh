@@ -295,6 +295,8 @@ class topk_selector {
   explicit topk_selector(options o) : options_(o), state_(std::make_shared<state>()) {}
 
   const options& config() const noexcept { return options_; }
+  //! @brief Sets the stream later calls enqueue on (and `check_status` synchronises).
+  void set_stream(cudaStream_t s) noexcept { options_.stream = s; }
   std::uint32_t tables_per_seq(const kv_layout& l) const noexcept {
     return options_.per_kv_head ? l.num_kv_heads : 1;
   }
