@@ -5,6 +5,7 @@
 #pragma once
 
 #include "oasiskv/cuda/copy_engine.cuh"
+#include "oasiskv/cuda/device_quantized_summary.cuh"
 #include "oasiskv/cuda/device_tier.cuh"
 #include "oasiskv/cuda/pinned_host_tier.cuh"
 #include "oasiskv/cuda/sparse_decode.cuh"
