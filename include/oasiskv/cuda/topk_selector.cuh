@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cuda::topk_selector`: the lookahead prediction on the GPU. Scores every block's
-//! min/max summary against the lookahead queries and writes each table's top blocks, translated
-//! to staging slots, straight into a device block table, with no host round trip.
+//! min/max summary (f16 or int8 bounds) against the lookahead queries and writes each table's top
+//! blocks, translated to staging slots, straight into a device block table, with no host round
+//! trip.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -266,7 +267,10 @@ enum class selection_aggregation : std::uint8_t {
 //! `max_aggregation` or `softmax_mass_aggregation` (`options::aggregation`), plus the
 //! translation to staging slots: the same bound (q+ . max + q- . min), the same kept sinks and
 //! recent window, ties to the lower index. Writes a `block_table_view`-shaped table (`refs`,
-//! `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads.
+//! `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads. The same
+//! selection runs over a `device_quantized_minmax_summary` (the counterpart of
+//! `lookahead_predictor<quantized_minmax_summary, A, G>`: its int8 bound with the query-rounding
+//! term, the host's score up to f32 rounding).
 //!
 //! Max aggregation takes the highest bound over lookahead tokens, GQA members (and KV heads for
 //! a shared selection). Softmax mass takes, per (sequence, KV head, query row), the softmax over
@@ -328,11 +332,11 @@ class topk_selector {
     });
   }
 
-  //! @brief `select` over int8 bounds: the GPU counterpart of `lookahead_predictor<
-  //! quantized_minmax_summary, A>`. Each block's score is the host summary's `score` (the query
-  //! quantized to u8 codes, `dp4a` against the codes, plus the error term) up to f32 rounding;
-  //! aggregation, kept blocks, ties and the table are as for `device_minmax_summary`. Throws as
-  //! that overload.
+  //! @brief `select` over int8 bounds: the GPU counterpart of
+  //! `lookahead_predictor<quantized_minmax_summary, A>`. Each block's score is the host summary's
+  //! `score` (the query quantized to u8 codes, `dp4a` against the codes, plus the error term) up to
+  //! f32 rounding; aggregation, kept blocks, ties and the table are as for `device_minmax_summary`.
+  //! Throws as that overload.
   void select(const device_quantized_minmax_summary& s, const topk_request& r) const {
     enqueue(s.layout(), r, [&](detail::select_kernel_args& a, dim3 grid, cudaStream_t st) {
       a.qcodes = s.codes();
