@@ -124,17 +124,18 @@ std::vector<std::vector<std::uint32_t>> cpu_select(Setup& st, const std::vector<
 // (e^(0.02 * |u|^2 / sqrt(d)) apart, 17% at d = 64) rather than left to random near-ties that
 // float summation order could flip. `margin_ok` checks, on the host, that the tables' cut is
 // clear (for a shared table, the sum over heads).
-struct mass_setup {
-  using summary_type = oasiskv::minmax_summary<oasiskv::f16>;
+template <class Summary = oasiskv::minmax_summary<oasiskv::f16>>
+struct basic_mass_setup {
+  using summary_type = Summary;
   oasiskv::kv_layout l;
   std::uint32_t num_seqs, max_blocks, capacity;
   std::vector<std::uint32_t> lens, ids;
   std::vector<std::byte> blocks;
   std::vector<float> u;
-  oasiskv::minmax_summary<oasiskv::f16> summary;
+  Summary summary;
 
-  mass_setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t maxb,
-             std::mt19937& rng)
+  basic_mass_setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t maxb,
+                   std::mt19937& rng)
       : l(layout),
         num_seqs(seqs),
         max_blocks(maxb),
@@ -248,6 +249,7 @@ struct mass_setup {
     return c[take - 1] > c[take] * (1.0 + 1e-3);
   }
 };
+using mass_setup = basic_mass_setup<>;
 
 }  // namespace
 
@@ -738,6 +740,77 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
           OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
           OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
           OASISKV_CUDA_CHECK(cudaStreamDestroy(stream));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "cuda::topk_selector softmax mass over int8 bounds selects what the CPU predictor selects") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(59);
+  for (const std::uint32_t d : {64u, 128u}) {
+    for (const bool per_head : {false, true}) {
+      const std::uint32_t tokens = per_head ? 1u : 4u;
+      CAPTURE(d);
+      CAPTURE(per_head);
+      const oasiskv::kv_layout l{1, 8, 2, d, 16, oasiskv::dtype::f16};
+      const oasiskv::selection_params sp{20, 2, 3};
+      using qmass_setup = basic_mass_setup<oasiskv::quantized_minmax_summary>;
+      std::unique_ptr<qmass_setup> pst;
+      std::vector<float> q;
+      for (int attempt = 0; attempt < 64; ++attempt) {
+        pst = std::make_unique<qmass_setup>(l, 3, 96, rng);
+        q = pst->queries(tokens, rng);
+        if (pst->margin_ok(q, tokens, sp, per_head)) {
+          break;
+        }
+        pst.reset();
+      }
+      REQUIRE(pst != nullptr);
+      qmass_setup& st = *pst;
+      const auto expect =
+          cpu_select<oasiskv::softmax_mass_aggregation>(st, q, tokens, sp, per_head);
+      oc::device_quantized_minmax_summary ds(l, st.capacity);
+      std::vector<std::uint32_t> all(st.capacity);
+      for (std::uint32_t i = 0; i < st.capacity; ++i) {
+        all[i] = i;
+      }
+      ds.upload(st.summary, all);
+      oc::topk_selector::options o;
+      o.per_kv_head = per_head;
+      o.aggregation = oc::selection_aggregation::softmax_mass;
+      oc::topk_selector sel(o);
+      const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(l);
+      device_buffer<float> dq(q);
+      device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
+      device_buffer<oasiskv::slot_id> dstaged(st.ids);
+      device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
+      device_buffer<std::uint32_t> offsets(tables + 1);
+      oc::topk_request r;
+      r.queries = dq.get();
+      r.num_tokens = tokens;
+      r.seq_lens = dlens.get();
+      r.summary_ids = dids.get();
+      r.staged_slots = dstaged.get();
+      r.refs = refs.get();
+      r.offsets = offsets.get();
+      r.num_seqs = st.num_seqs;
+      r.max_blocks = st.max_blocks;
+      r.params = sp;
+      sel.select(ds, r);
+      sel.check_status();
+      const auto got_refs = refs.download();
+      const auto got_off = offsets.download();
+      REQUIRE(expect.size() == tables);
+      CHECK(got_off[0] == 0);
+      for (std::uint32_t t = 0; t < tables; ++t) {
+        CAPTURE(t);
+        REQUIRE(got_off[t + 1] - got_off[t] == expect[t].size());
+        CHECK(expect[t].size() == sp.budget_blocks);
+        for (std::size_t i = 0; i < expect[t].size(); ++i) {
+          CHECK(got_refs[got_off[t] + i].index == expect[t][i]);
         }
       }
     }
