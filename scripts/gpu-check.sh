@@ -42,7 +42,8 @@ fi
 
 say "== build the CUDA tests"
 tests=(test_cuda_core test_cuda_copy_engine test_cuda_sparse_decode test_cuda_topk_selector
-  test_cuda_device_summary test_cuda_kv_cache test_cuda_device_step)
+  test_cuda_device_summary test_cuda_device_qminmax_summary test_cuda_qminmax_math
+  test_cuda_kv_cache test_cuda_device_step)
 flashinfer=third_party_cache/flashinfer/include
 bench_flashinfer=()
 if [ -f "$flashinfer/flashinfer/attention/decode.cuh" ] && [ "$arch" -ge 80 ]; then

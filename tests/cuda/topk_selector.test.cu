@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda::topk_selector against the CPU lookahead predictor (minmax_summary<f16>, max and
-// softmax-mass aggregation, shared and per-KV-head tables), and a whole step (select on the GPU,
+// softmax-mass aggregation, shared and per-KV-head tables; quantized_minmax_summary with max
+// aggregation, its per-row scores too), and a whole step (select on the GPU,
 // decode) captured in a CUDA graph and replayed.
 #include <doctest/doctest.h>
 
@@ -24,14 +25,19 @@ using oasiskv::block_ref;
 using oasiskv::testing::device_buffer;
 namespace oc = oasiskv::cuda;
 
-struct setup {
+// Random keys in every block, summarised by a host `Summary` (minmax_summary<f16> or
+// quantized_minmax_summary).
+template <class Summary = oasiskv::minmax_summary<oasiskv::f16>>
+struct basic_setup {
+  using summary_type = Summary;
   oasiskv::kv_layout l;
   std::uint32_t num_seqs, max_blocks, capacity;
   std::vector<std::uint32_t> lens, ids;  // ids: [num_seqs][max_blocks]
   std::vector<std::byte> blocks;         // capacity slots of keys/values (host)
-  oasiskv::minmax_summary<oasiskv::f16> summary;
+  Summary summary;
 
-  setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t maxb, std::mt19937& rng)
+  basic_setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t maxb,
+              std::mt19937& rng)
       : l(layout),
         num_seqs(seqs),
         max_blocks(maxb),
@@ -61,6 +67,24 @@ struct setup {
     }
   }
 };
+using setup = basic_setup<>;
+
+// Whether the candidates' cut (sinks and recent window aside) is clear by a relative 1e-4 of the
+// scores' size, for max aggregation.
+bool clear_cut_max(const std::vector<double>& score, const oasiskv::selection_params& sp) {
+  const auto n = static_cast<std::uint32_t>(score.size());
+  const std::uint32_t recent = std::max(sp.recent_blocks, 1u);
+  if (sp.budget_blocks >= n || n <= sp.sink_blocks + recent) {
+    return true;
+  }
+  std::vector<double> c(score.begin() + sp.sink_blocks, score.end() - recent);
+  std::sort(c.begin(), c.end(), std::greater<>());
+  const std::uint32_t take = sp.budget_blocks - sp.sink_blocks - recent;
+  if (take == 0 || take >= c.size()) {
+    return true;
+  }
+  return c[take - 1] - c[take] > 1e-4 * (std::abs(c[take - 1]) + std::abs(c[take]));
+}
 
 // The CPU selection of every sequence, as refs whose slot is the summary id (identity staging).
 template <class Aggregation = oasiskv::max_aggregation, class Setup>
@@ -70,7 +94,8 @@ std::vector<std::vector<std::uint32_t>> cpu_select(Setup& st, const std::vector<
                                                    bool per_head) {
   std::vector<std::vector<std::uint32_t>> tables;
   for (std::uint32_t s = 0; s < st.num_seqs; ++s) {
-    oasiskv::prediction_input<oasiskv::minmax_summary<oasiskv::f16>> in;
+    using summary_type = typename Setup::summary_type;
+    oasiskv::prediction_input<summary_type> in;
     in.layout = st.l;
     in.seq_len = st.lens[s];
     in.summaries = &st.summary;
@@ -79,12 +104,10 @@ std::vector<std::vector<std::uint32_t>> cpu_select(Setup& st, const std::vector<
                   tokens};
     oasiskv::selection sel;
     if (per_head) {
-      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>, Aggregation,
-                                   oasiskv::per_kv_head_selection>
-          p;
+      oasiskv::lookahead_predictor<summary_type, Aggregation, oasiskv::per_kv_head_selection> p;
       p.select(in, sp, sel);
     } else {
-      oasiskv::lookahead_predictor<oasiskv::minmax_summary<oasiskv::f16>, Aggregation> p;
+      oasiskv::lookahead_predictor<summary_type, Aggregation> p;
       p.select(in, sp, sel);
     }
     for (std::uint32_t t = 0; t < sel.tables; ++t) {
@@ -101,16 +124,18 @@ std::vector<std::vector<std::uint32_t>> cpu_select(Setup& st, const std::vector<
 // (e^(0.02 * |u|^2 / sqrt(d)) apart, 17% at d = 64) rather than left to random near-ties that
 // float summation order could flip. `margin_ok` checks, on the host, that the tables' cut is
 // clear (for a shared table, the sum over heads).
-struct mass_setup {
+template <class Summary = oasiskv::minmax_summary<oasiskv::f16>>
+struct basic_mass_setup {
+  using summary_type = Summary;
   oasiskv::kv_layout l;
   std::uint32_t num_seqs, max_blocks, capacity;
   std::vector<std::uint32_t> lens, ids;
   std::vector<std::byte> blocks;
   std::vector<float> u;
-  oasiskv::minmax_summary<oasiskv::f16> summary;
+  Summary summary;
 
-  mass_setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t maxb,
-             std::mt19937& rng)
+  basic_mass_setup(const oasiskv::kv_layout& layout, std::uint32_t seqs, std::uint32_t maxb,
+                   std::mt19937& rng)
       : l(layout),
         num_seqs(seqs),
         max_blocks(maxb),
@@ -224,6 +249,7 @@ struct mass_setup {
     return c[take - 1] > c[take] * (1.0 + 1e-3);
   }
 };
+using mass_setup = basic_mass_setup<>;
 
 }  // namespace
 
@@ -296,6 +322,213 @@ TEST_CASE("cuda::topk_selector selects what the CPU lookahead predictor selects"
             expected_misses += staged[at] == oasiskv::null_slot ? 1 : 0;
           }
           CHECK(got_mc[t] == expected_misses);
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+using qsetup = basic_setup<oasiskv::quantized_minmax_summary>;
+
+// The host quantized summary's score of row `r` of `rows` (KV head h, block i of sequence s),
+// and the size of its two terms, |dot s t| + ||A|| slack (the f32 rounding scale).
+struct host_qscore {
+  float score, size;
+};
+host_qscore qscore(const qsetup& st, const std::vector<float>& q, std::uint32_t tokens,
+                   std::uint32_t s, std::uint32_t h, std::uint32_t r, std::uint32_t i) {
+  namespace od = oasiskv::cuda::detail;
+  const oasiskv::kv_layout& l = st.l;
+  const std::uint32_t d = l.head_dim, group = l.group_size();
+  const float* qr =
+      q.data() +
+      ((std::size_t{s} * tokens + r / group) * l.num_q_heads + h * group + r % group) * d;
+  const std::uint32_t id = st.ids[std::size_t{s} * st.max_blocks + i];
+  float out = 0.0f;
+  st.summary.score(h, std::span<const std::uint32_t>(&id, 1), qr, 1, &out);
+  std::vector<std::uint32_t> qw(d / 2), cw(d / 2);
+  float t = 0.0f, slack = 0.0f;
+  od::qminmax_quantize_query(qr, d, qw.data(), t, slack);
+  const float scale = st.summary.bound_words(h, id, cw.data());
+  std::int32_t dot = 0;
+  for (std::uint32_t p = 0; p < d / 2; ++p) {
+    dot = od::qminmax_dot4(qw[p], cw[p], dot);
+  }
+  return {out, std::abs(static_cast<float>(dot) * (scale * t)) + st.summary.norm(h, id) * slack};
+}
+
+// Whether every table's cut (the host's aggregated max scores) is clear by a relative 1e-4, so
+// that f32 rounding cannot move a block across it.
+bool max_cut_is_clear(const qsetup& st, const std::vector<float>& q, std::uint32_t tokens,
+                      const oasiskv::selection_params& sp, bool per_head) {
+  const oasiskv::kv_layout& l = st.l;
+  const std::uint32_t rows = tokens * l.group_size();
+  for (std::uint32_t s = 0; s < st.num_seqs; ++s) {
+    const std::uint32_t n = l.blocks_for(st.lens[s]);
+    std::vector<double> shared(n, -INFINITY);
+    for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+      std::vector<double> head(n, -INFINITY);
+      for (std::uint32_t i = 0; i < n; ++i) {
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          head[i] = std::max<double>(head[i], qscore(st, q, tokens, s, h, r, i).score);
+        }
+        shared[i] = std::max(shared[i], head[i]);
+      }
+      if (per_head && !clear_cut_max(head, sp)) {
+        return false;
+      }
+    }
+    if (!per_head && !clear_cut_max(shared, sp)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("cuda::topk_selector over int8 bounds: the host summary's scores and selection") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  namespace od = oasiskv::cuda::detail;
+  std::mt19937 rng(57);
+  for (const std::uint32_t d : {64u, 128u}) {
+    for (const bool per_head : {false, true}) {
+      for (const std::uint32_t tokens : {1u, 4u}) {
+        CAPTURE(d);
+        CAPTURE(per_head);
+        CAPTURE(tokens);
+        const auto dt = d == 64 ? oasiskv::dtype::f16 : oasiskv::dtype::bf16;
+        const oasiskv::kv_layout l{1, 8, 2, d, 16, dt};
+        qsetup st(l, 4, 150, rng);
+        const oasiskv::selection_params sp{40, 2, 3};
+        std::vector<float> q;
+        bool clear = false;
+        for (int attempt = 0; attempt < 20 && !clear; ++attempt) {
+          q = oasiskv::testing::random_floats(std::size_t{st.num_seqs} * tokens * l.num_q_heads * d,
+                                              rng);
+          clear = max_cut_is_clear(st, q, tokens, sp, per_head);
+        }
+        REQUIRE(clear);
+        const auto expect = cpu_select(st, q, tokens, sp, per_head);
+
+        // The device summary: recomputed from the blocks on the device for one token count,
+        // uploaded for the other (both give the host's bits: device_qminmax_summary.test.cu).
+        oc::device_quantized_minmax_summary ds(l, st.capacity);
+        device_buffer<std::byte> dblocks(st.blocks);
+        if (tokens == 1) {
+          std::vector<std::uint32_t> all(st.capacity);
+          for (std::uint32_t i = 0; i < st.capacity; ++i) {
+            all[i] = i;
+          }
+          ds.upload(st.summary, all);
+        } else {
+          for (std::uint32_t e = 0; e < st.capacity; ++e) {
+            if (st.summary.tokens(e) > 0) {
+              ds.recompute(e, dblocks.get() + std::size_t{e} * l.block_bytes(),
+                           st.summary.tokens(e));
+            }
+          }
+        }
+        device_buffer<float> dq(q);
+        device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
+
+        // The scoring kernel alone, every row's score kept (the softmax-mass workspace).
+        const std::uint32_t rows = tokens * l.group_size();
+        device_buffer<float> dscores(std::size_t{st.num_seqs} * l.num_kv_heads * st.max_blocks);
+        device_buffer<float> draw(std::size_t{st.num_seqs} * l.num_kv_heads * rows * st.max_blocks);
+        device_buffer<std::uint32_t> dstatus(1);
+        OASISKV_CUDA_CHECK(cudaMemset(dstatus.get(), 0, sizeof(std::uint32_t)));
+        od::select_kernel_args a;
+        a.layout = l;
+        a.qcodes = ds.codes();
+        a.qscale = ds.scales();
+        a.qnorm = ds.norms();
+        a.qbias = ds.biases();
+        a.tokens = ds.tokens();
+        a.capacity = ds.capacity();
+        a.queries = dq.get();
+        a.num_tokens = tokens;
+        a.seq_lens = dlens.get();
+        a.summary_ids = dids.get();
+        a.scores = dscores.get();
+        a.status = dstatus.get();
+        a.num_seqs = st.num_seqs;
+        a.max_blocks = st.max_blocks;
+        a.softmax_mass = true;
+        a.raw = draw.get();
+        const dim3 grid((st.max_blocks + od::score_entries_per_cta - 1) / od::score_entries_per_cta,
+                        l.num_kv_heads, st.num_seqs);
+        if (d == 64) {
+          od::score_qminmax_kernel<64><<<grid, od::score_threads>>>(a);
+        } else {
+          od::score_qminmax_kernel<128><<<grid, od::score_threads>>>(a);
+        }
+        OASISKV_CUDA_CHECK(cudaGetLastError());
+        OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto raw = draw.download();
+        std::size_t compared = 0;
+        for (std::uint32_t s = 0; s < st.num_seqs; ++s) {
+          for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+            for (std::uint32_t r = 0; r < rows; ++r) {
+              for (std::uint32_t i = 0; i < l.blocks_for(st.lens[s]); ++i) {
+                const host_qscore want = qscore(st, q, tokens, s, h, r, i);
+                const float got =
+                    raw[((std::size_t{s} * l.num_kv_heads + h) * rows + r) * st.max_blocks + i];
+                CAPTURE(s);
+                CAPTURE(h);
+                CAPTURE(r);
+                CAPTURE(i);
+                REQUIRE(!std::isnan(got));
+                REQUIRE(std::isfinite(want.score));
+                // f32 rounding of the two-term epilogue: 2^-20 of the terms' size.
+                CHECK(!(std::abs(got - want.score) > 0x1p-20f * want.size));
+                ++compared;
+              }
+            }
+          }
+        }
+        CHECK(compared > 0);
+
+        // The whole selection against the CPU predictor over the same host summary.
+        std::vector<oasiskv::slot_id> staged(st.ids.size());
+        for (std::size_t i = 0; i < staged.size(); ++i) {
+          staged[i] = (i % st.max_blocks) % 5 == 4 ? oasiskv::null_slot : st.ids[i];
+        }
+        oc::topk_selector::options o;
+        o.per_kv_head = per_head;
+        oc::topk_selector sel(o);
+        const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(l);
+        device_buffer<oasiskv::slot_id> dstaged(staged);
+        device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
+        device_buffer<std::uint32_t> offsets(tables + 1);
+        oc::topk_request req;
+        req.queries = dq.get();
+        req.num_tokens = tokens;
+        req.seq_lens = dlens.get();
+        req.summary_ids = dids.get();
+        req.staged_slots = dstaged.get();
+        req.refs = refs.get();
+        req.offsets = offsets.get();
+        req.num_seqs = st.num_seqs;
+        req.max_blocks = st.max_blocks;
+        req.params = sp;
+        sel.select(ds, req);
+        sel.check_status();
+        const auto got_refs = refs.download();
+        const auto got_off = offsets.download();
+        REQUIRE(expect.size() == tables);
+        CHECK(got_off[0] == 0);
+        for (std::uint32_t t = 0; t < tables; ++t) {
+          CAPTURE(t);
+          REQUIRE(got_off[t + 1] - got_off[t] == expect[t].size());
+          for (std::size_t i = 0; i < expect[t].size(); ++i) {
+            const block_ref g = got_refs[got_off[t] + i];
+            CHECK(g.index == expect[t][i]);
+            const std::size_t at = std::size_t{t / sel.tables_per_seq(l)} * st.max_blocks + g.index;
+            CHECK(g.slot == staged[at]);
+          }
         }
       }
     }
@@ -507,6 +740,77 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
           OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
           OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
           OASISKV_CUDA_CHECK(cudaStreamDestroy(stream));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "cuda::topk_selector softmax mass over int8 bounds selects what the CPU predictor selects") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(59);
+  for (const std::uint32_t d : {64u, 128u}) {
+    for (const bool per_head : {false, true}) {
+      const std::uint32_t tokens = per_head ? 1u : 4u;
+      CAPTURE(d);
+      CAPTURE(per_head);
+      const oasiskv::kv_layout l{1, 8, 2, d, 16, oasiskv::dtype::f16};
+      const oasiskv::selection_params sp{20, 2, 3};
+      using qmass_setup = basic_mass_setup<oasiskv::quantized_minmax_summary>;
+      std::unique_ptr<qmass_setup> pst;
+      std::vector<float> q;
+      for (int attempt = 0; attempt < 64; ++attempt) {
+        pst = std::make_unique<qmass_setup>(l, 3, 96, rng);
+        q = pst->queries(tokens, rng);
+        if (pst->margin_ok(q, tokens, sp, per_head)) {
+          break;
+        }
+        pst.reset();
+      }
+      REQUIRE(pst != nullptr);
+      qmass_setup& st = *pst;
+      const auto expect =
+          cpu_select<oasiskv::softmax_mass_aggregation>(st, q, tokens, sp, per_head);
+      oc::device_quantized_minmax_summary ds(l, st.capacity);
+      std::vector<std::uint32_t> all(st.capacity);
+      for (std::uint32_t i = 0; i < st.capacity; ++i) {
+        all[i] = i;
+      }
+      ds.upload(st.summary, all);
+      oc::topk_selector::options o;
+      o.per_kv_head = per_head;
+      o.aggregation = oc::selection_aggregation::softmax_mass;
+      oc::topk_selector sel(o);
+      const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(l);
+      device_buffer<float> dq(q);
+      device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
+      device_buffer<oasiskv::slot_id> dstaged(st.ids);
+      device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
+      device_buffer<std::uint32_t> offsets(tables + 1);
+      oc::topk_request r;
+      r.queries = dq.get();
+      r.num_tokens = tokens;
+      r.seq_lens = dlens.get();
+      r.summary_ids = dids.get();
+      r.staged_slots = dstaged.get();
+      r.refs = refs.get();
+      r.offsets = offsets.get();
+      r.num_seqs = st.num_seqs;
+      r.max_blocks = st.max_blocks;
+      r.params = sp;
+      sel.select(ds, r);
+      sel.check_status();
+      const auto got_refs = refs.download();
+      const auto got_off = offsets.download();
+      REQUIRE(expect.size() == tables);
+      CHECK(got_off[0] == 0);
+      for (std::uint32_t t = 0; t < tables; ++t) {
+        CAPTURE(t);
+        REQUIRE(got_off[t + 1] - got_off[t] == expect[t].size());
+        CHECK(expect[t].size() == sp.budget_blocks);
+        for (std::size_t i = 0; i < expect[t].size(); ++i) {
+          CHECK(got_refs[got_off[t] + i].index == expect[t][i]);
         }
       }
     }

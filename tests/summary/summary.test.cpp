@@ -481,6 +481,48 @@ TEST_CASE("quantized_minmax_summary: an upper bound of every token's dot product
   }
 }
 
+TEST_CASE("quantized_minmax_summary: norm is ||A||_2 of the bounds rounded up; overflowed") {
+  const kv_layout l{1, 4, 2, 64, 16, dtype::f32};
+  host_tier pool(l, 3);
+  testing::fill_random(pool, 17);
+  // Entry 2 holds an infinite key in KV head 1.
+  reinterpret_cast<float*>(pool.slot_data(2) + l.key_offset(1))[5] =
+      std::numeric_limits<float>::infinity();
+  quantized_minmax_summary s(l, 3);
+  for (std::uint32_t b = 0; b < 3; ++b) {
+    CHECK(s.norm(0, b) == 0.0f);
+    CHECK(!s.overflowed(b));
+  }
+  s.update(0, pool.slot_data(0), 0, 16);
+  s.update(2, pool.slot_data(2), 0, 16);
+  std::vector<float> hi(l.head_dim), lo(l.head_dim);
+  for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+    for (const std::uint32_t b : {0u, 2u}) {
+      CAPTURE(h);
+      CAPTURE(b);
+      s.bounds(h, b, hi.data(), lo.data());
+      double sq = 0.0;
+      for (std::uint32_t x = 0; x < l.head_dim; ++x) {
+        const double a = std::max(std::abs(double{hi[x]}), std::abs(double{lo[x]}));
+        sq += a * a;
+      }
+      const double want = std::sqrt(sq);
+      const float got = s.norm(h, b);
+      CHECK(double{got} >= want);                                    // rounded up
+      CHECK(double{std::nextafter(got, 0.0f)} < want * (1 + 1e-9));  // by about one step
+    }
+  }
+  CHECK(!s.overflowed(0));
+  CHECK(s.overflowed(2));
+  CHECK(s.norm(0, 1) == 0.0f);  // still empty
+  s.reset(2);
+  CHECK(!s.overflowed(2));
+  CHECK(s.norm(1, 2) == 0.0f);
+  expect_error([&] { (void)s.norm(0, 3); }, errc::out_of_range, "entry 3");
+  expect_error([&] { (void)s.norm(2, 0); }, errc::out_of_range, "kv head 2");
+  expect_error([&] { (void)s.overflowed(5); }, errc::out_of_range, "entry 5");
+}
+
 TEST_CASE("minmax_summary: a key beyond f16 range scores +inf, never NaN") {
   const kv_layout l{1, 1, 1, 8, 4, dtype::f32};
   host_tier pool(l, 1);

@@ -6,6 +6,7 @@
 
 #include "oasiskv/cuda/copy_engine.cuh"
 #include "oasiskv/cuda/device_decode_step.cuh"
+#include "oasiskv/cuda/device_quantized_summary.cuh"
 #include "oasiskv/cuda/device_tier.cuh"
 #include "oasiskv/cuda/pinned_host_tier.cuh"
 #include "oasiskv/cuda/sparse_decode.cuh"

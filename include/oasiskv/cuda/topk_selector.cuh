@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cuda::topk_selector`: the lookahead prediction on the GPU. Scores every block's
-//! min/max summary against the lookahead queries and writes each table's top blocks, translated
-//! to staging slots, straight into a device block table, with no host round trip.
+//! min/max summary (f16 or int8 bounds) against the lookahead queries and writes each table's top
+//! blocks, translated to staging slots, straight into a device block table, with no host round
+//! trip.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 #include "oasiskv/cuda/detail/runtime.cuh"
 #include "oasiskv/cuda/detail/select_kernels.cuh"
 #include "oasiskv/cuda/detail/summary_kernels.cuh"
+#include "oasiskv/cuda/device_quantized_summary.cuh"
 // The summary/cpu/ kernels (via minmax_summary.hpp) use `#pragma GCC unroll`, which g++ knows and
 // nvcc's front end reports (1675) as unrecognised; silence it for that header only.
 #pragma nv_diag_suppress 1675
@@ -265,7 +267,10 @@ enum class selection_aggregation : std::uint8_t {
 //! `max_aggregation` or `softmax_mass_aggregation` (`options::aggregation`), plus the
 //! translation to staging slots: the same bound (q+ . max + q- . min), the same kept sinks and
 //! recent window, ties to the lower index. Writes a `block_table_view`-shaped table (`refs`,
-//! `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads.
+//! `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads. The same
+//! selection runs over a `device_quantized_minmax_summary` (the counterpart of
+//! `lookahead_predictor<quantized_minmax_summary, A, G>`: its int8 bound with the query-rounding
+//! term, the host's score up to f32 rounding).
 //!
 //! Max aggregation takes the highest bound over lookahead tokens, GQA members (and KV heads for
 //! a shared selection). Softmax mass takes, per (sequence, KV head, query row), the softmax over
@@ -317,7 +322,62 @@ class topk_selector {
   //! @brief Enqueues the scoring and the top-k on the stream. Throws before any launch when the
   //! request is malformed. Asynchronous: `check_status` reports sequences longer than max_blocks.
   void select(const device_minmax_summary& s, const topk_request& r) const {
-    const kv_layout& l = s.layout();
+    enqueue(s.layout(), r, [&](detail::select_kernel_args& a, dim3 grid, cudaStream_t st) {
+      a.bounds = s.bounds();
+      a.tokens = s.tokens();
+      a.capacity = s.capacity();
+      if (a.layout.head_dim == 64) {
+        detail::score_minmax_kernel<64><<<grid, detail::score_threads, 0, st>>>(a);
+      } else {
+        detail::score_minmax_kernel<128><<<grid, detail::score_threads, 0, st>>>(a);
+      }
+    });
+  }
+
+  //! @brief `select` over int8 bounds: the GPU counterpart of
+  //! `lookahead_predictor<quantized_minmax_summary, A>`. Each block's score is the host summary's
+  //! `score` (the query quantized to u8 codes, `dp4a` against the codes, plus the error term) up to
+  //! f32 rounding; aggregation, kept blocks, ties and the table are as for `device_minmax_summary`.
+  //! Throws as that overload.
+  void select(const device_quantized_minmax_summary& s, const topk_request& r) const {
+    enqueue(s.layout(), r, [&](detail::select_kernel_args& a, dim3 grid, cudaStream_t st) {
+      a.qcodes = s.codes();
+      a.qscale = s.scales();
+      a.qnorm = s.norms();
+      a.qbias = s.biases();
+      a.tokens = s.tokens();
+      a.capacity = s.capacity();
+      if (a.layout.head_dim == 64) {
+        detail::score_qminmax_kernel<64><<<grid, detail::score_threads, 0, st>>>(a);
+      } else {
+        detail::score_qminmax_kernel<128><<<grid, detail::score_threads, 0, st>>>(a);
+      }
+    });
+  }
+
+  //! @brief Synchronises the stream; throws `errc::out_of_range` if a sequence had more blocks
+  //! than `max_blocks` since the last check (its tail was left out), and clears the flag.
+  void check_status() const {
+    std::lock_guard lock(state_->mutex);
+    if (state_->status == nullptr) {
+      return;
+    }
+    std::uint32_t bad = 0;
+    detail::check(cudaStreamSynchronize(options_.stream), "cuda::topk_selector: the kernels");
+    detail::check(cudaMemcpy(&bad, state_->status, sizeof(bad), cudaMemcpyDeviceToHost),
+                  "cuda::topk_selector: reading the status word");
+    if (bad != 0) [[unlikely]] {
+      detail::check(cudaMemset(state_->status, 0, sizeof(bad)), "cuda::topk_selector: cudaMemset");
+      oasiskv::detail::raise(errc::out_of_range,
+                             "cuda::topk_selector: a sequence has more blocks than max_blocks");
+    }
+  }
+
+ private:
+  // Validates, fills the request's part of the kernel arguments, lets `score` set the summary's
+  // part and launch its scoring kernel, then launches the aggregation and the top-k.
+  template <class Score>
+  void enqueue(const kv_layout& l, const topk_request& r, Score&& score) const {
     validate(l, r);
     std::lock_guard lock(state_->mutex);
     const int device = detail::current_device();
@@ -336,9 +396,6 @@ class topk_selector {
     ensure(l, r.num_seqs, r.max_blocks, r.num_tokens, detail::is_capturing(options_.stream));
     detail::select_kernel_args a;
     a.layout = l;
-    a.bounds = s.bounds();
-    a.tokens = s.tokens();
-    a.capacity = s.capacity();
     a.queries = r.queries;
     a.num_tokens = r.num_tokens;
     a.seq_lens = r.seq_lens;
@@ -367,11 +424,7 @@ class topk_selector {
     const dim3 grid(
         (r.max_blocks + detail::score_entries_per_cta - 1) / detail::score_entries_per_cta,
         l.num_kv_heads, r.num_seqs);
-    if (l.head_dim == 64) {
-      detail::score_minmax_kernel<64><<<grid, detail::score_threads, 0, st>>>(a);
-    } else {
-      detail::score_minmax_kernel<128><<<grid, detail::score_threads, 0, st>>>(a);
-    }
+    score(a, grid, st);
     detail::check(cudaGetLastError(), "cuda::topk_selector: score launch", errc::invalid_argument);
     if (a.softmax_mass) {
       detail::
@@ -383,25 +436,6 @@ class topk_selector {
     detail::check(cudaGetLastError(), "cuda::topk_selector: top-k launch", errc::invalid_argument);
   }
 
-  //! @brief Synchronises the stream; throws `errc::out_of_range` if a sequence had more blocks
-  //! than `max_blocks` since the last check (its tail was left out), and clears the flag.
-  void check_status() const {
-    std::lock_guard lock(state_->mutex);
-    if (state_->status == nullptr) {
-      return;
-    }
-    std::uint32_t bad = 0;
-    detail::check(cudaStreamSynchronize(options_.stream), "cuda::topk_selector: the kernels");
-    detail::check(cudaMemcpy(&bad, state_->status, sizeof(bad), cudaMemcpyDeviceToHost),
-                  "cuda::topk_selector: reading the status word");
-    if (bad != 0) [[unlikely]] {
-      detail::check(cudaMemset(state_->status, 0, sizeof(bad)), "cuda::topk_selector: cudaMemset");
-      oasiskv::detail::raise(errc::out_of_range,
-                             "cuda::topk_selector: a sequence has more blocks than max_blocks");
-    }
-  }
-
- private:
   struct state {
     std::mutex mutex;
     int device = -1;

@@ -269,6 +269,26 @@ class quantized_minmax_summary {
     return scale_[slot(h, b)];
   }
 
+  //! @brief `||A||_2` of entry `b`, KV head `h`, as scoring uses it: the norm of the dequantized
+  //! bounds' magnitudes `A_x = s max(|max code|, |min code|)`, rounded up to f32 (0 for an empty
+  //! entry). A function of the codes and the scale alone. `errc::out_of_range` for an entry or head
+  //! out of range.
+  float norm(std::uint32_t h, std::uint32_t b) const {
+    check_entry(b);
+    if (h >= layout_.num_kv_heads) [[unlikely]] {
+      detail::raise(errc::out_of_range, "quantized_minmax_summary::norm: kv head ", h,
+                    " >= num_kv_heads = ", layout_.num_kv_heads);
+    }
+    return norm_[slot(h, b)];
+  }
+
+  //! @brief Whether entry `b` scores `+inf` (a non-finite key, or on `load` a non-finite bound,
+  //! was folded in since its last `reset`). `errc::out_of_range` for an entry out of range.
+  bool overflowed(std::uint32_t b) const {
+    check_entry(b);
+    return bias_[b] == std::numeric_limits<float>::infinity();
+  }
+
   //! @brief `out[i * n + r]` = the bound of query row `r` (of `q`, `[n][head_dim]`) over entry
   //! `entries[i]` of KV head `h`.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,

@@ -20,6 +20,7 @@
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/kv_vec.cuh"
+#include "oasiskv/cuda/detail/qminmax_math.cuh"
 
 namespace oasiskv::cuda::detail {
 
@@ -50,6 +51,11 @@ struct select_kernel_args {
   bool softmax_mass = false;  // aggregate by softmax mass (else by max)
   float scale = 1.0f;         // softmax_mass: the logit scale, 1/sqrt(head_dim)
   float* raw = nullptr;       // softmax_mass workspace [num_seqs][num_kv_heads][rows][max_blocks]
+  // A cuda::device_quantized_minmax_summary instead of `bounds` (score_qminmax_kernel):
+  const std::uint32_t* qcodes = nullptr;  // [num_kv_heads][capacity][head_dim / 2] code words
+  const float* qscale = nullptr;          // [num_kv_heads][capacity] 2^e
+  const float* qnorm = nullptr;           // [num_kv_heads][capacity] ||A||_2 rounded up
+  const float* qbias = nullptr;           // [capacity] 0, -inf empty, +inf overflowed
 };
 static_assert(std::is_trivially_copyable_v<select_kernel_args>);
 
@@ -142,6 +148,106 @@ __global__ void __launch_bounds__(score_threads) score_minmax_kernel(const selec
           const std::uint32_t id = a.summary_ids[std::size_t{seq} * a.max_blocks + i];
           a.raw[((std::size_t{seq} * a.layout.num_kv_heads + h) * rows + r0 + r) * a.max_blocks +
                 i] = a.tokens[id] == 0 ? -INFINITY : d;
+        }
+      }
+      if (live && lin == 0) {
+        best[e] = fmaxf(best[e], m);
+      }
+    }
+  }
+  __syncthreads();
+  if (a.softmax_mass) {
+    return;  // softmax_mass_kernel folds the rows
+  }
+  for (int e = static_cast<int>(threadIdx.x); e < score_entries_per_cta; e += score_threads) {
+    const std::uint32_t i = i0 + static_cast<std::uint32_t>(e);
+    if (i < n) {
+      const std::uint32_t id = a.summary_ids[std::size_t{seq} * a.max_blocks + i];
+      const float s = a.tokens[id] == 0 ? -INFINITY : best[e];
+      a.scores[(std::size_t{seq} * a.layout.num_kv_heads + h) * a.max_blocks + i] = s;
+    }
+  }
+}
+
+//! `score_minmax_kernel` for a `device_quantized_minmax_summary`: each query row quantized once
+//! per CTA into shared memory (`qminmax_quantize_query`, a thread per row, the host's order), then
+//! per entry the integer dot product of the u8 query codes with the int8 code words (`dp4a`, one
+//! 16-byte load of four words per lane) and the host's epilogue `dot (s t) + ||A|| slack + bias`
+//! (`qminmax_score`): the host summary's `score` up to f32 rounding. Maxed over the rows, or
+//! every row written to `raw` for the softmax mass (`-inf` for an empty entry).
+template <int D>
+__global__ void __launch_bounds__(score_threads) score_qminmax_kernel(const select_kernel_args a) {
+  constexpr int words = D / 2;  // code words per (entry, KV head)
+  constexpr int lanes = D / 8;  // lanes per entry: 4 words (16 bytes) each
+  constexpr int per_warp = 32 / lanes;
+  static_assert(lanes <= 32 && 32 % lanes == 0);
+  __shared__ std::uint32_t sq[score_row_chunk][words];
+  __shared__ float st[score_row_chunk], sslack[score_row_chunk];
+  __shared__ float best[score_entries_per_cta];
+
+  const std::uint32_t seq = blockIdx.z;
+  const std::uint32_t h = blockIdx.y;
+  const std::uint32_t i0 = blockIdx.x * score_entries_per_cta;
+  const std::uint32_t n = seq_blocks(a, seq);
+  if (threadIdx.x == 0 && a.layout.blocks_for(a.seq_lens[seq]) > a.max_blocks) {
+    atomicOr(a.status, select_status_too_long);
+  }
+  if (i0 >= n) {
+    return;  // a fixed grid sized for max_blocks: this CTA has nothing of this sequence
+  }
+  const std::uint32_t group = a.layout.group_size();
+  const std::uint32_t rows = a.num_tokens * group;
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int warp = static_cast<int>(threadIdx.x >> 5);
+  const int sub = lane / lanes;
+  const int lin = lane % lanes;
+  for (int e = static_cast<int>(threadIdx.x); e < score_entries_per_cta; e += score_threads) {
+    best[e] = -INFINITY;
+  }
+  for (std::uint32_t r0 = 0; r0 < rows; r0 += score_row_chunk) {
+    __syncthreads();  // the previous chunk's rows are no longer read
+    const std::uint32_t nr = rows - r0 < score_row_chunk ? rows - r0 : score_row_chunk;
+    if (threadIdx.x < nr) {
+      const std::uint32_t row = r0 + threadIdx.x;  // row = token * group + member
+      const float* q =
+          a.queries + ((std::size_t{seq} * a.num_tokens + row / group) * a.layout.num_q_heads +
+                       h * group + row % group) *
+                          D;
+      qminmax_quantize_query(q, D, sq[threadIdx.x], st[threadIdx.x], sslack[threadIdx.x]);
+    }
+    __syncthreads();
+    for (int e = warp * per_warp + sub; e < score_entries_per_cta;
+         e += (score_threads / 32) * per_warp) {
+      const std::uint32_t i = i0 + static_cast<std::uint32_t>(e);
+      const bool live = i < n;
+      uint4 c = make_uint4(0u, 0u, 0u, 0u);
+      float scale = 0.0f, norm = 0.0f, bias = 0.0f;
+      std::uint32_t id = 0;
+      if (live) {
+        id = a.summary_ids[std::size_t{seq} * a.max_blocks + i];
+        const std::size_t slot = std::size_t{h} * a.capacity + id;
+        c = __ldg(reinterpret_cast<const uint4*>(a.qcodes + slot * words) + lin);
+        scale = a.qscale[slot];
+        norm = a.qnorm[slot];
+        bias = a.qbias[id];
+      }
+      float m = -INFINITY;
+      for (std::uint32_t r = 0; r < nr; ++r) {
+        const std::uint32_t* qr = sq[r] + lin * 4;
+        std::int32_t d = qminmax_dot4(qr[0], c.x, 0);
+        d = qminmax_dot4(qr[1], c.y, d);
+        d = qminmax_dot4(qr[2], c.z, d);
+        d = qminmax_dot4(qr[3], c.w, d);
+#pragma unroll
+        for (int off = lanes / 2; off > 0; off >>= 1) {
+          d += __shfl_xor_sync(0xffffffffu, d, off);
+        }
+        float v = qminmax_score(d, scale, st[r], norm, sslack[r], bias);
+        v = v != v ? INFINITY : v;  // an overflowed entry's 0 * inf: keep the block (as the CPU)
+        m = fmaxf(m, v);
+        if (a.softmax_mass && live && lin == 0) {
+          a.raw[((std::size_t{seq} * a.layout.num_kv_heads + h) * rows + r0 + r) * a.max_blocks +
+                i] = a.tokens[id] == 0 ? -INFINITY : v;
         }
       }
       if (live && lin == 0) {
