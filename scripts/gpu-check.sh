@@ -69,7 +69,7 @@ say "== build and run the CUDA benchmark"
 bench="$build/cuda_attention_decode_bench"
 if "$nvcc" -std=c++20 -O3 -Iinclude --extended-lambda --expt-relaxed-constexpr \
   -Werror=all-warnings -gencode "arch=compute_$arch,code=sm_$arch" "${bench_flashinfer[@]}" \
-  bench/cuda_attention_decode.bench.cu -o "$bench" >>"$log" 2>&1; then
+  bench/cuda_attention_decode.bench.cu -o "$bench" -lpthread >>"$log" 2>&1; then
   timeout 300 "$bench" "$out/cuda_bench.json" 2>&1 | tee -a "$log" || status=1
 else
   say "error: building the benchmark failed (see $log)"
