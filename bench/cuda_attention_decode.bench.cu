@@ -7,15 +7,10 @@
 //              cudaMemcpyAsync                                              target >= 0.80
 //   selection: cuda::topk_selector (scoring + top-k) / dense attention at 32k     target <= 0.10
 //   facade:    one decode step of tiered_kv_cache over cuda::device_tier (fast) and
-//              cuda::pinned_host_tier (capacity), budget 2048 of a 32k context, fast memory for
-//              twice the budget, lookahead prefetch overlapped with the attention of earlier
-//              layers / the same step with every block resident (fast memory for the whole
-//              context, each block staged as it was appended)             target <= 1.05
-//   flashinfer (built with OASISKV_BENCH_FLASHINFER, FlashInfer's headers on the include path):
-//              cuda::sparse_decode / cuda::flashinfer_decode on the same selection (budget 2048
-//              of 32k, Llama-3-8B's 32 q / 8 kv heads, dim 128, bf16, batch 1 and 32): time
-//              ratios own / FlashInfer of the kernels alone and of decode_host_tables (the
-//              facade's call: tables built on the host and uploaded each call)
+//              cuda::pinned_host_tier (capacity), budget 2048 of a 32k context: the lookahead
+//              prefetcher with fast memory for twice the budget (prefetch overlapped with the
+//              attention of earlier layers) / the all_resident scheduler with fast memory for
+//              the whole context (every block staged as it fills)          target <= 1.05
 // A plain harness timed with CUDA events (median of repeats after warm-up), printing JSON: the
 // GPU machines have no Google Benchmark, and events time the device, not the host.
 // Usage: cuda_attention_decode_bench [output.json]. Exits 77 without a device.
@@ -215,18 +210,21 @@ double d2d_copy_bandwidth(cudaStream_t s) {
   return bw;
 }
 
-// The facade on the GPU policies (the library's default predictor, scoring on the host).
+// The facade on the GPU policies (the library's default predictor, scoring on the host), with
+// the lookahead prefetcher or the all-resident scheduler (every block staged as it fills).
+template <class Scheduler>
 struct gpu_policies {
   using allocator = oasiskv::free_list_allocator;
   using fast_tier = oc::device_tier;
   using slow_tier = oc::pinned_host_tier;
   using transfer = oc::copy_engine;
   using predictor = oasiskv::lookahead_predictor<>;
-  using scheduler = oasiskv::lookahead_prefetcher<oasiskv::lru_eviction>;
+  using scheduler = Scheduler;
   using kernel = oc::sparse_decode;
 };
-static_assert(oasiskv::check_policy_bundle<gpu_policies>);
-using gpu_cache = oasiskv::tiered_kv_cache<gpu_policies>;
+using lookahead_scheduler = oasiskv::lookahead_prefetcher<oasiskv::lru_eviction>;
+static_assert(oasiskv::check_policy_bundle<gpu_policies<lookahead_scheduler>>);
+static_assert(oasiskv::check_policy_bundle<gpu_policies<oasiskv::all_resident>>);
 
 struct step_figures {
   double ms = 0.0;              // median wall time of one whole step (all layers, all sequences)
@@ -243,12 +241,14 @@ struct step_figures {
 // layer attends (device queries and outputs). Queries are a fixed direction per (sequence,
 // layer) plus noise, so consecutive steps select mostly the same blocks, as decoding does; the
 // lookahead reads the step's queries with a little more noise (an imperfect draft).
+template <class Scheduler>
 step_figures facade_steps(std::uint32_t fast_slots, std::uint32_t seqs, std::uint32_t context,
                           std::uint32_t layers, std::uint32_t budget, int warmup, int reps) {
   const oasiskv::kv_layout l{layers, 32, 8, 128, 16, oasiskv::dtype::bf16};
   const std::uint32_t blocks = context / l.tokens_per_block + 1;  // +1: the decoded tokens
-  gpu_cache c(oc::pinned_host_tier(l, std::size_t{seqs} * layers * blocks),
-              oc::device_tier(l, fast_slots), {.budget_tokens = budget});
+  oasiskv::tiered_kv_cache<gpu_policies<Scheduler>> c(
+      oc::pinned_host_tier(l, std::size_t{seqs} * layers * blocks), oc::device_tier(l, fast_slots),
+      {.budget_tokens = budget});
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   // Keys and values: windows of a pool of random rows (distinct per block, cheap to make).
@@ -468,10 +468,10 @@ int main(int argc, char** argv) {
     const std::uint32_t context = 32768, layers = 4, budget = 2048;
     const std::uint32_t blocks = context / 16 + 1;
     // Fast memory for twice each (sequence, layer)'s budget, against the whole context.
-    const step_figures tiered =
-        facade_steps(seqs * layers * 2 * (budget / 16 + 8), seqs, context, layers, budget, 5, 20);
-    const step_figures resident =
-        facade_steps(seqs * layers * (blocks + 8), seqs, context, layers, budget, 5, 20);
+    const step_figures tiered = facade_steps<lookahead_scheduler>(
+        seqs * layers * 2 * (budget / 16 + 8), seqs, context, layers, budget, 5, 20);
+    const step_figures resident = facade_steps<oasiskv::all_resident>(
+        seqs * layers * (blocks + 8), seqs, context, layers, budget, 5, 20);
     const double ratio = tiered.ms / resident.ms;
     if (seqs == 8) {
       facade_ratio = ratio;

@@ -102,15 +102,15 @@ class staging_scheduler {
         }
       }
       std::uint32_t evictions = 0;
-      const std::uint32_t cap =
-          Mode == prefetch_mode::all_resident ? 0 : options_.max_evictions_per_prefetch;
+      constexpr bool can_evict = Mode != prefetch_mode::all_resident;
       copies_.clear();
       for (slot_id x : sources) {
         if (where_[x] != null_slot) {
           eviction_.touch(where_[x], step_);
           continue;
         }
-        const auto s = take_slot(mark, evictions < cap, &evictions);
+        const auto s = take_slot(mark, can_evict && evictions < options_.max_evictions_per_prefetch,
+                                 &evictions);
         if (!s) {
           break;  // no room now: the rest become misses if the step needs them
         }
