@@ -74,8 +74,9 @@ OASISKV_HOST_DEVICE unsigned long long bad_weight_key(std::uint32_t seq, std::ui
 
 //! A decoded `bad_weight_key`.
 struct bad_weight_report {
-  std::uint32_t seq = 0, token = 0;
-  float value = 0.0f;
+  std::uint32_t seq = 0;    //!< the sequence (row of `topk_request::weights`)
+  std::uint32_t token = 0;  //!< the lookahead token
+  float value = 0.0f;       //!< the weight, bit for bit
 };
 //! Decodes `bad_weight_key(seq, token, value)`.
 OASISKV_HOST_DEVICE bad_weight_report decode_bad_weight(unsigned long long key) {
