@@ -2,16 +2,28 @@
 // cuda::topk_selector against the CPU lookahead predictor (minmax_summary<f16>, max and
 // softmax-mass aggregation, shared and per-KV-head tables; quantized_minmax_summary with max
 // aggregation, its per-row scores too), and a whole step (select on the GPU,
-// decode) captured in a CUDA graph and replayed.
+// decode) captured in a CUDA graph and replayed. Per-token draft weights
+// (`confidence_weighted`) against the CPU's `confidence_weighted_aggregation` over both
+// summaries.
+//
+// Two ctest entries run this binary (tests/cuda/CMakeLists.txt): the cases of the test suite
+// "host" need no driver and always run (test_cuda_topk_selector_host: the weights' device math
+// against the host aggregation, and the premises of the weighted device cases); the others need
+// a device and exit 77 (skipped) without one (test_cuda_topk_selector).
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <span>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/cuda_support.cuh"
@@ -87,11 +99,13 @@ bool clear_cut_max(const std::vector<double>& score, const oasiskv::selection_pa
 }
 
 // The CPU selection of every sequence, as refs whose slot is the summary id (identity staging).
+// `weights` (optional): [num_seqs][tokens], each sequence's `query_view::weights`.
 template <class Aggregation = oasiskv::max_aggregation, class Setup>
 std::vector<std::vector<std::uint32_t>> cpu_select(Setup& st, const std::vector<float>& q,
                                                    std::uint32_t tokens,
                                                    const oasiskv::selection_params& sp,
-                                                   bool per_head) {
+                                                   bool per_head,
+                                                   const std::vector<float>* weights = nullptr) {
   std::vector<std::vector<std::uint32_t>> tables;
   for (std::uint32_t s = 0; s < st.num_seqs; ++s) {
     using summary_type = typename Setup::summary_type;
@@ -100,8 +114,8 @@ std::vector<std::vector<std::uint32_t>> cpu_select(Setup& st, const std::vector<
     in.seq_len = st.lens[s];
     in.summaries = &st.summary;
     in.summary_ids = {st.ids.data() + std::size_t{s} * st.max_blocks, st.l.blocks_for(st.lens[s])};
-    in.queries = {q.data() + std::size_t{s} * tokens * st.l.num_q_heads * st.l.head_dim, nullptr,
-                  tokens};
+    in.queries = {q.data() + std::size_t{s} * tokens * st.l.num_q_heads * st.l.head_dim,
+                  weights == nullptr ? nullptr : weights->data() + std::size_t{s} * tokens, tokens};
     oasiskv::selection sel;
     if (per_head) {
       oasiskv::lookahead_predictor<summary_type, Aggregation, oasiskv::per_kv_head_selection> p;
@@ -181,19 +195,25 @@ struct basic_mass_setup {
     }
   }
 
-  std::vector<float> queries(std::uint32_t tokens, std::mt19937& rng) const {
+  // Queries `u + noise`; with `flip_odd` the odd lookahead tokens' are `-u + noise`, so they
+  // prefer the blocks the even tokens like least.
+  std::vector<float> queries(std::uint32_t tokens, std::mt19937& rng, bool flip_odd = false) const {
     std::uniform_real_distribution<float> noise(-0.3f, 0.3f);
-    std::vector<float> q(std::size_t{num_seqs} * tokens * l.num_q_heads * l.head_dim);
+    const std::size_t token_elems = std::size_t{l.num_q_heads} * l.head_dim;
+    std::vector<float> q(std::size_t{num_seqs} * tokens * token_elems);
     for (std::size_t i = 0; i < q.size(); ++i) {
-      q[i] = u[i % l.head_dim] + noise(rng);
+      const bool odd = (i / token_elems) % tokens % 2 == 1;
+      q[i] = (flip_odd && odd ? -u[i % l.head_dim] : u[i % l.head_dim]) + noise(rng);
     }
     return q;
   }
 
   // Whether every table's kept candidates outweigh the rest by a relative 1e-3 or more, the
-  // masses computed in double from the host summary's own scores.
+  // masses computed in double from the host summary's own scores (each row's mass times its
+  // token's weight when `weights`, [num_seqs][tokens], is given).
   bool margin_ok(const std::vector<float>& q, std::uint32_t tokens,
-                 const oasiskv::selection_params& sp, bool per_head) const {
+                 const oasiskv::selection_params& sp, bool per_head,
+                 const std::vector<float>* weights = nullptr) const {
     const std::uint32_t group = l.group_size(), rows = tokens * group, d = l.head_dim;
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     for (std::uint32_t s = 0; s < num_seqs; ++s) {
@@ -219,8 +239,10 @@ struct basic_mass_setup {
           for (std::uint32_t i = 0; i < n; ++i) {
             sum += std::exp(scale * (x[i] - m));
           }
+          const double w =
+              weights == nullptr ? 1.0 : (*weights)[std::size_t{s} * tokens + r / group];
           for (std::uint32_t i = 0; i < n; ++i) {
-            mass[i] += std::exp(scale * (x[i] - m)) / sum;
+            mass[i] += w * std::exp(scale * (x[i] - m)) / sum;
           }
         }
         for (std::uint32_t i = 0; i < n; ++i) {
@@ -250,6 +272,7 @@ struct basic_mass_setup {
   }
 };
 using mass_setup = basic_mass_setup<>;
+using qmass_setup = basic_mass_setup<oasiskv::quantized_minmax_summary>;
 
 }  // namespace
 
@@ -757,7 +780,6 @@ TEST_CASE(
       CAPTURE(per_head);
       const oasiskv::kv_layout l{1, 8, 2, d, 16, oasiskv::dtype::f16};
       const oasiskv::selection_params sp{20, 2, 3};
-      using qmass_setup = basic_mass_setup<oasiskv::quantized_minmax_summary>;
       std::unique_ptr<qmass_setup> pst;
       std::vector<float> q;
       for (int attempt = 0; attempt < 64; ++attempt) {
@@ -857,4 +879,486 @@ TEST_CASE("cuda::topk_selector: bad requests throw before any launch") {
   std::vector<float> host_q(dq.size());
   r.queries = host_q.data();
   CHECK(code([&] { sel.select(ds, r); }) == oasiskv::errc::invalid_argument);
+  r.queries = dq.get();
+  // Weights in pageable host memory: named before any launch.
+  std::vector<float> host_w(2, 1.0f);
+  r.weights = host_w.data();
+  std::string what;
+  try {
+    sel.select(ds, r);
+  } catch (const oasiskv::error& e) {
+    CHECK(e.code() == oasiskv::errc::invalid_argument);
+    what = e.what();
+  }
+  CHECK_MESSAGE(what.find("topk_request.weights") != std::string::npos, what);
+}
+
+// Per-token draft weights (`selection_aggregation::confidence_weighted`).
+
+namespace {
+
+using oasiskv::confidence_weighted_aggregation;
+using oasiskv::softmax_mass_aggregation;
+using tables_t = std::vector<std::vector<std::uint32_t>>;
+template <class Setup>
+constexpr bool quantized =
+    std::is_same_v<typename Setup::summary_type, oasiskv::quantized_minmax_summary>;
+
+const oasiskv::selection_params weighted_sp{20, 2, 3};
+
+oasiskv::kv_layout weighted_layout(std::uint32_t d) {
+  return {1, 8, 2, d, 16, oasiskv::dtype::f16};
+}
+
+// Each weighted input gets a seed of its own, so that the host cases check the premises of the
+// very inputs the device cases select from.
+std::uint32_t input_seed(std::uint32_t d, bool per_head, bool quant, std::uint32_t kind) {
+  return 1000u * kind + d + (per_head ? 7u : 0u) + (quant ? 13u : 0u);
+}
+
+// Four lookahead tokens, the odd ones against the even (`flip_odd`), weighted per sequence by a
+// rotation of {1, 0.25, 0.9, 0.1} (the even tokens outweigh the odd in sequences 0 and 2, the
+// odd the even in sequence 1). Drawn until the weighted masses cut clearly and the host's
+// weighted selection differs from its unweighted one (so the weights matter); `st` stays null if
+// no draw did.
+template <class Setup>
+struct weighted_inputs {
+  std::unique_ptr<Setup> st;
+  std::uint32_t tokens = 4;
+  std::vector<float> q, w;  // w: [num_seqs][tokens]
+  tables_t expect;          // the CPU predictor with confidence_weighted_aggregation
+};
+
+template <class Setup>
+weighted_inputs<Setup> make_weighted(std::uint32_t d, bool per_head) {
+  std::mt19937 rng(input_seed(d, per_head, quantized<Setup>, 1));
+  weighted_inputs<Setup> x;
+  const float base[4] = {1.0f, 0.25f, 0.9f, 0.1f};
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    auto st = std::make_unique<Setup>(weighted_layout(d), 3, 96, rng);
+    auto q = st->queries(x.tokens, rng, true);
+    std::vector<float> w(std::size_t{st->num_seqs} * x.tokens);
+    for (std::uint32_t s = 0; s < st->num_seqs; ++s) {
+      for (std::uint32_t t = 0; t < x.tokens; ++t) {
+        w[std::size_t{s} * x.tokens + t] = base[(t + s) % 4];
+      }
+    }
+    if (!st->margin_ok(q, x.tokens, weighted_sp, per_head, &w)) {
+      continue;
+    }
+    auto expect =
+        cpu_select<confidence_weighted_aggregation>(*st, q, x.tokens, weighted_sp, per_head, &w);
+    if (expect == cpu_select<softmax_mass_aggregation>(*st, q, x.tokens, weighted_sp, per_head)) {
+      continue;
+    }
+    x.st = std::move(st);
+    x.q = std::move(q);
+    x.w = std::move(w);
+    x.expect = std::move(expect);
+    break;
+  }
+  return x;
+}
+
+// Two lookahead tokens, the second against the first (`flip_odd`); sequence s keeps token s % 2
+// (weight 1) and drops the other (weight 0). `expect` is the CPU selection from the kept token's
+// rows alone, `dropped` from the dropped token's alone. Drawn until `expect`'s cut is clear and
+// every table of `dropped` differs from `expect`'s (the dropped token alone picks other blocks).
+template <class Setup>
+struct zero_inputs {
+  std::unique_ptr<Setup> st;
+  std::vector<float> q, w;  // two tokens; w: [num_seqs][2]
+  std::vector<float> kept_q, dropped_q;
+  tables_t expect, dropped;
+};
+
+template <class Setup>
+zero_inputs<Setup> make_zero(std::uint32_t d, bool per_head) {
+  std::mt19937 rng(input_seed(d, per_head, quantized<Setup>, 2));
+  zero_inputs<Setup> x;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    auto st = std::make_unique<Setup>(weighted_layout(d), 3, 96, rng);
+    const std::size_t te = std::size_t{st->l.num_q_heads} * st->l.head_dim;
+    auto q = st->queries(2, rng, true);
+    std::vector<float> w(std::size_t{st->num_seqs} * 2), kept(st->num_seqs * te),
+        dropped(st->num_seqs * te);
+    for (std::uint32_t s = 0; s < st->num_seqs; ++s) {
+      const std::uint32_t keep = s % 2;
+      w[std::size_t{s} * 2 + keep] = 1.0f;
+      w[std::size_t{s} * 2 + (1 - keep)] = 0.0f;
+      std::copy_n(q.begin() + (std::size_t{s} * 2 + keep) * te, te, kept.begin() + s * te);
+      std::copy_n(q.begin() + (std::size_t{s} * 2 + 1 - keep) * te, te, dropped.begin() + s * te);
+    }
+    if (!st->margin_ok(kept, 1, weighted_sp, per_head)) {
+      continue;
+    }
+    auto expect = cpu_select<softmax_mass_aggregation>(*st, kept, 1, weighted_sp, per_head);
+    auto other = cpu_select<softmax_mass_aggregation>(*st, dropped, 1, weighted_sp, per_head);
+    bool all_differ = expect.size() == other.size();
+    for (std::size_t t = 0; all_differ && t < expect.size(); ++t) {
+      all_differ = expect[t] != other[t];
+    }
+    if (!all_differ) {
+      continue;
+    }
+    x.st = std::move(st);
+    x.q = std::move(q);
+    x.w = std::move(w);
+    x.kept_q = std::move(kept);
+    x.dropped_q = std::move(dropped);
+    x.expect = std::move(expect);
+    x.dropped = std::move(other);
+    break;
+  }
+  return x;
+}
+
+template <class Setup>
+auto device_summary_of(const Setup& st) {
+  std::vector<std::uint32_t> all(st.capacity);
+  for (std::uint32_t i = 0; i < st.capacity; ++i) {
+    all[i] = i;
+  }
+  if constexpr (quantized<Setup>) {
+    oc::device_quantized_minmax_summary ds(st.l, st.capacity);
+    ds.upload(st.summary, all);
+    return ds;
+  } else {
+    oc::device_minmax_summary ds(st.l, st.capacity);
+    ds.upload(st.summary, all);
+    return ds;
+  }
+}
+
+struct gpu_tables {
+  std::vector<block_ref> refs;
+  std::vector<std::uint32_t> offsets;
+};
+
+// One selection by `sel` (identity staging); `check` calls check_status afterwards.
+template <class Setup, class DeviceSummary>
+gpu_tables gpu_select(const oc::topk_selector& sel, const Setup& st, const DeviceSummary& ds,
+                      const std::vector<float>& q, std::uint32_t tokens,
+                      const std::vector<float>* weights, bool check = true) {
+  const oasiskv::selection_params& sp = weighted_sp;
+  const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(st.l);
+  device_buffer<float> dq(q);
+  device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
+  device_buffer<oasiskv::slot_id> dstaged(st.ids);
+  device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
+  device_buffer<std::uint32_t> offsets(tables + 1);
+  std::unique_ptr<device_buffer<float>> dw;
+  if (weights != nullptr) {
+    dw = std::make_unique<device_buffer<float>>(*weights);
+  }
+  oc::topk_request r;
+  r.queries = dq.get();
+  r.weights = dw == nullptr ? nullptr : dw->get();
+  r.num_tokens = tokens;
+  r.seq_lens = dlens.get();
+  r.summary_ids = dids.get();
+  r.staged_slots = dstaged.get();
+  r.refs = refs.get();
+  r.offsets = offsets.get();
+  r.num_seqs = st.num_seqs;
+  r.max_blocks = st.max_blocks;
+  r.params = sp;
+  sel.select(ds, r);
+  if (check) {
+    sel.check_status();
+  }
+  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+  return {refs.download(), offsets.download()};
+}
+
+oc::topk_selector make_selector(bool per_head, oc::selection_aggregation agg) {
+  oc::topk_selector::options o;
+  o.per_kv_head = per_head;
+  o.aggregation = agg;
+  return oc::topk_selector(o);
+}
+
+void check_tables(const gpu_tables& got, const tables_t& expect) {
+  REQUIRE(got.offsets.size() == expect.size() + 1);
+  CHECK(got.offsets[0] == 0);
+  for (std::size_t t = 0; t < expect.size(); ++t) {
+    CAPTURE(t);
+    REQUIRE(got.offsets[t + 1] - got.offsets[t] == expect[t].size());
+    CHECK(expect[t].size() == weighted_sp.budget_blocks);
+    for (std::size_t i = 0; i < expect[t].size(); ++i) {
+      CHECK(got.refs[got.offsets[t] + i].index == expect[t][i]);
+    }
+  }
+}
+
+// The message of the oasiskv::error `f` throws (its code in `code`), or "" if none.
+template <class F>
+std::string error_of(F&& f, oasiskv::errc& code) {
+  try {
+    f();
+  } catch (const oasiskv::error& e) {
+    code = e.code();
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("topk_selector weights: the device's weight math is the host's" *
+          doctest::test_suite("host")) {
+  namespace od = oasiskv::cuda::detail;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+
+  // Usable weights: the host's check_queries rule (finite, >= 0; -0 passes it too).
+  CHECK(od::weight_ok(0.0f));
+  CHECK(od::weight_ok(-0.0f));
+  CHECK(od::weight_ok(0.5f));
+  CHECK(od::weight_ok(std::numeric_limits<float>::max()));
+  CHECK(!od::weight_ok(-1e-30f));
+  CHECK(!od::weight_ok(nan));
+  CHECK(!od::weight_ok(inf));
+  CHECK(!od::weight_ok(-inf));
+
+  // A row's weight: its token's (row / group) of its sequence's; 1 without weights; 0 for a bad
+  // one, and +0 for -0.
+  const std::vector<float> w = {0.5f, 2.0f, 0.25f, 3.0f, nan, -1.0f, inf, -0.0f, 0.75f};
+  CHECK(od::row_weight(nullptr, 3, 2, 5, 2) == 1.0f);
+  for (std::uint32_t s = 0; s < 3; ++s) {
+    for (std::uint32_t r = 0; r < 6; ++r) {  // group 2: rows 2t and 2t + 1 are token t's
+      CAPTURE(s);
+      CAPTURE(r);
+      const float want = w[s * 3 + r / 2];
+      const float got = od::row_weight(w.data(), 3, s, r, 2);
+      REQUIRE(!std::isnan(got));
+      CHECK(!std::signbit(got));
+      CHECK(got == (oasiskv::cuda::detail::weight_ok(want) ? want : 0.0f));
+    }
+  }
+  CHECK(od::row_weight(w.data(), 3, 1, 1, 2) == 3.0f);  // sequence 1, token 0
+  CHECK(od::row_weight(w.data(), 3, 1, 2, 2) == 0.0f);  // token 1: NaN
+  CHECK(od::row_weight(w.data(), 3, 1, 5, 2) == 0.0f);  // token 2: -1
+  CHECK(od::row_weight(w.data(), 3, 2, 4, 2) == 0.75f);
+
+  // The clamp before the softmax: finite values kept, infinities to +-FLT_MAX, NaN to +FLT_MAX.
+  CHECK(od::mass_clamp(-3.5f) == -3.5f);
+  CHECK(od::mass_clamp(inf) == FLT_MAX);
+  CHECK(od::mass_clamp(-inf) == -FLT_MAX);
+  CHECK(od::mass_clamp(nan) == FLT_MAX);
+
+  // A bad weight's report: the lowest (sequence, token) first whatever the value, decoded back
+  // to the same sequence, token and bits.
+  CHECK(od::bad_weight_key(1, 2, nan) < od::bad_weight_key(2, 0, -1.0f));
+  CHECK(od::bad_weight_key(1, 2, -inf) < od::bad_weight_key(1, 3, -1.0f));
+  CHECK(od::bad_weight_key(65535, 15, nan) < od::no_bad_weight);
+  for (const float v : {nan, -inf, inf, -1.0f, -0x1p-149f}) {
+    for (const std::uint32_t seq : {0u, 1u, 777u, 65535u}) {
+      for (const std::uint32_t token : {0u, 5u, 15u}) {
+        const od::bad_weight_report r = od::decode_bad_weight(od::bad_weight_key(seq, token, v));
+        CHECK(r.seq == seq);
+        CHECK(r.token == token);
+        std::uint32_t a = 0, b = 0;
+        std::memcpy(&a, &v, 4);
+        std::memcpy(&b, &r.value, 4);
+        CHECK(a == b);
+      }
+    }
+  }
+
+  // Weight 1 scales a row by exactly 1 / sum: weights all 1 give the unweighted mass's bits.
+  std::mt19937 rng(61);
+  std::uniform_real_distribution<float> sums(1.0f, 5000.0f);
+  for (int i = 0; i < 1000; ++i) {
+    const float sum = sums(rng);
+    CHECK(od::row_mass_factor(1.0f, sum) == 1.0f / sum);
+  }
+}
+
+TEST_CASE("topk_selector weights: the device's row fold is confidence_weighted_aggregation's" *
+          doctest::test_suite("host")) {
+  // The softmax-mass kernel's fold of one KV head's rows, serially, from the same functions it
+  // calls (row_weight, mass_clamp, row_mass_factor), against the host aggregation on scores
+  // with empty (-inf), overflowed (+inf) and NaN entries.
+  namespace od = oasiskv::cuda::detail;
+  std::mt19937 rng(67);
+  std::uniform_real_distribution<float> score(-40.0f, 40.0f), weight(0.0f, 2.0f);
+  const std::uint32_t n = 37;
+  const float scale = 0.125f;
+  for (const std::uint32_t group : {1u, 4u}) {
+    for (const std::uint32_t tokens : {1u, 3u, 16u}) {
+      CAPTURE(group);
+      CAPTURE(tokens);
+      const std::uint32_t rows = tokens * group;
+      std::vector<float> raw(std::size_t{rows} * n);
+      for (float& x : raw) {
+        x = score(rng);
+      }
+      raw[3] = -INFINITY;
+      raw[n + 5] = INFINITY;
+      raw[std::size_t{rows - 1} * n + 7] = std::numeric_limits<float>::quiet_NaN();
+      std::vector<float> w(tokens);
+      for (float& x : w) {
+        x = weight(rng);
+      }
+      if (tokens > 1) {
+        w[tokens / 2] = 0.0f;  // a dropped token (its rows skipped by the kernel)
+      }
+      for (const bool weighted : {true, false}) {
+        CAPTURE(weighted);
+        const float* wp = weighted ? w.data() : nullptr;
+        std::vector<float> device(n, 0.0f), host(n, 0.0f);
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          const float wr = od::row_weight(wp, tokens, 0, r, group);
+          if (wr == 0.0f) {
+            continue;
+          }
+          std::vector<float> x(n);
+          float m = -FLT_MAX;
+          for (std::uint32_t i = 0; i < n; ++i) {
+            x[i] = od::mass_clamp(raw[std::size_t{r} * n + i]);
+            m = std::max(m, x[i]);
+          }
+          float sum = 0.0f;
+          for (std::uint32_t i = 0; i < n; ++i) {
+            x[i] = std::exp(scale * (x[i] - m));
+            sum += x[i];
+          }
+          const float k = od::row_mass_factor(wr, sum);
+          for (std::uint32_t i = 0; i < n; ++i) {
+            device[i] += k * x[i];
+          }
+        }
+        oasiskv::confidence_weighted_aggregation agg;
+        const oasiskv::aggregation_context c{n, rows, group, scale, wp};
+        agg.combine(c, raw.data(), host.data(), true);
+        double total = 0.0;
+        for (std::uint32_t r = 0; r < rows; ++r) {
+          total += wp == nullptr ? 1.0 : wp[r / group];
+        }
+        REQUIRE(total > 0.0);
+        double got_total = 0.0;
+        for (std::uint32_t i = 0; i < n; ++i) {
+          CAPTURE(i);
+          REQUIRE(std::isfinite(device[i]));
+          REQUIRE(std::isfinite(host[i]));
+          CHECK(!(std::abs(device[i] - host[i]) > 1e-5 * total));
+          got_total += device[i];
+        }
+        // Each row gives its weight's worth of mass.
+        CHECK(!(std::abs(got_total - total) > 1e-4 * total));
+      }
+    }
+  }
+}
+
+TEST_CASE("topk_selector weights: the weighted device cases' inputs (on the CPU)" *
+          doctest::test_suite("host")) {
+  // What the device cases below rely on, checked where there is no device: their inputs exist
+  // (a clear cut, weights that change the host's selection, a dropped token that alone would
+  // pick other blocks) and the host predictor with a zero weight selects as if the token were
+  // not there.
+  for (const std::uint32_t d : {64u, 128u}) {
+    for (const bool per_head : {false, true}) {
+      CAPTURE(d);
+      CAPTURE(per_head);
+      auto check = [&]<class Setup>() {
+        CAPTURE(quantized<Setup>);
+        const auto x = make_weighted<Setup>(d, per_head);
+        REQUIRE(x.st != nullptr);
+        CHECK(x.expect.size() == x.st->num_seqs * (per_head ? x.st->l.num_kv_heads : 1u));
+        const auto z = make_zero<Setup>(d, per_head);
+        REQUIRE(z.st != nullptr);
+        CHECK(cpu_select<confidence_weighted_aggregation>(*z.st, z.q, 2, weighted_sp, per_head,
+                                                          &z.w) == z.expect);
+        CHECK(cpu_select<softmax_mass_aggregation>(*z.st, z.q, 2, weighted_sp, per_head) !=
+              z.expect);
+      };
+      check.template operator()<mass_setup>();
+      check.template operator()<qmass_setup>();
+    }
+  }
+}
+
+namespace {
+
+// The device counterpart of the host case above, over `Setup`'s summary (shared and per-KV-head
+// tables, head_dim 64 and 128).
+template <class Setup>
+void weighted_device_case() {
+  using agg = oc::selection_aggregation;
+  for (const std::uint32_t d : {64u, 128u}) {
+    for (const bool per_head : {false, true}) {
+      CAPTURE(d);
+      CAPTURE(per_head);
+      CAPTURE(quantized<Setup>);
+      {
+        // Weighted: the CPU predictor's tables with confidence_weighted_aggregation.
+        const auto x = make_weighted<Setup>(d, per_head);
+        REQUIRE(x.st != nullptr);
+        const auto ds = device_summary_of(*x.st);
+        const auto weighted = make_selector(per_head, agg::confidence_weighted);
+        const gpu_tables got = gpu_select(weighted, *x.st, ds, x.q, x.tokens, &x.w);
+        check_tables(got, x.expect);
+
+        // Weights all 1 give the bits of no weights, and of the unweighted softmax mass.
+        const std::vector<float> ones(x.w.size(), 1.0f);
+        const gpu_tables one = gpu_select(weighted, *x.st, ds, x.q, x.tokens, &ones);
+        const gpu_tables none = gpu_select(weighted, *x.st, ds, x.q, x.tokens, nullptr);
+        const gpu_tables mass = gpu_select(make_selector(per_head, agg::softmax_mass), *x.st, ds,
+                                           x.q, x.tokens, nullptr);
+        CHECK(one.refs == none.refs);
+        CHECK(one.offsets == none.offsets);
+        CHECK(none.refs == mass.refs);
+        CHECK(none.offsets == mass.offsets);
+        // Plain softmax mass reads no weights (as the host's softmax_mass_aggregation).
+        const gpu_tables ignored =
+            gpu_select(make_selector(per_head, agg::softmax_mass), *x.st, ds, x.q, x.tokens, &x.w);
+        CHECK(ignored.refs == mass.refs);
+      }
+      {
+        // A zero weight removes its token: the tables of the kept token alone, not those the
+        // dropped token alone picks.
+        const auto z = make_zero<Setup>(d, per_head);
+        REQUIRE(z.st != nullptr);
+        const auto ds = device_summary_of(*z.st);
+        const auto weighted = make_selector(per_head, agg::confidence_weighted);
+        const gpu_tables got = gpu_select(weighted, *z.st, ds, z.q, 2, &z.w);
+        check_tables(got, z.expect);
+
+        // Negative and non-finite weights count as 0, and check_status names the first.
+        std::vector<float> bad = z.w;
+        bad[0 * 2 + 1] = std::numeric_limits<float>::quiet_NaN();  // sequence 0 drops token 1
+        bad[1 * 2 + 0] = -1.0f;                                    // sequence 1 drops token 0
+        bad[2 * 2 + 1] = std::numeric_limits<float>::infinity();
+        const gpu_tables zeroed = gpu_select(weighted, *z.st, ds, z.q, 2, &bad, false);
+        check_tables(zeroed, z.expect);
+        oasiskv::errc code{};
+        const std::string what = error_of([&] { weighted.check_status(); }, code);
+        CHECK(code == oasiskv::errc::invalid_argument);
+        CHECK_MESSAGE(what.find("topk_request.weights[0][1]") != std::string::npos, what);
+        code = oasiskv::errc{};
+        CHECK(error_of([&] { weighted.check_status(); }, code).empty());  // cleared
+
+        // Checked whatever the aggregation, as the host checks every query_view.
+        const auto max_sel = make_selector(per_head, agg::max);
+        (void)gpu_select(max_sel, *z.st, ds, z.q, 2, &bad, false);
+        const std::string max_what = error_of([&] { max_sel.check_status(); }, code);
+        CHECK(code == oasiskv::errc::invalid_argument);
+        CHECK_MESSAGE(max_what.find("topk_request.weights[0][1]") != std::string::npos, max_what);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda::topk_selector confidence-weighted selects what the CPU predictor selects") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  weighted_device_case<mass_setup>();
+}
+
+TEST_CASE("cuda::topk_selector confidence-weighted over int8 bounds: the CPU's selection") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  weighted_device_case<qmass_setup>();
 }

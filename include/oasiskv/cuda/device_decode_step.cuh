@@ -45,7 +45,8 @@ struct device_decode_step_options {
   std::uint32_t max_q_len = 1;
   //! The most lookahead tokens per sequence a step selects with (1..16).
   std::uint32_t max_lookahead = 1;
-  //! How the selection folds query rows into one score per block.
+  //! How the selection folds query rows into one score per block (the step passes no draft
+  //! weights: `confidence_weighted` weighs every lookahead token 1, as `softmax_mass`).
   selection_aggregation aggregation = selection_aggregation::max;
   //! The fast pool (device memory of the current device) holding the staging slots.
   block_pool_view fast{};

@@ -240,8 +240,19 @@ class device_minmax_summary {
 };
 
 //! @brief One step's selection for a batch of sequences. Every pointer is device memory.
+//!
+//! `weights` is each sequence's `query_view::weights`, laid out as the queries are: row `s`
+//! holds sequence `s`'s `num_tokens` draft confidences (e.g. the draft model's probability of
+//! each lookahead token). Null weighs every token 1. Only
+//! `selection_aggregation::confidence_weighted` reads them (max and plain softmax mass ignore
+//! them, as the host's `max_aggregation` and `softmax_mass_aggregation` do), but every weight
+//! given is checked on the device, whatever the aggregation: a negative or non-finite one (which
+//! the host's predictor refuses with `errc::invalid_argument`) counts as 0 and is reported by
+//! `topk_selector::check_status`.
 struct topk_request {
-  const float* queries = nullptr;              // [num_seqs][num_tokens][num_q_heads][head_dim]
+  const float* queries = nullptr;  //!< [num_seqs][num_tokens][num_q_heads][head_dim]
+  //! [num_seqs][num_tokens] draft confidence of each lookahead token, finite and >= 0; null: 1
+  const float* weights = nullptr;
   std::uint32_t num_tokens = 1;                // lookahead tokens per sequence, 1..16
   const std::uint32_t* seq_lens = nullptr;     // [num_seqs]
   const std::uint32_t* summary_ids = nullptr;  // [num_seqs][max_blocks]: block i's entry
@@ -261,10 +272,14 @@ struct topk_request {
 enum class selection_aggregation : std::uint8_t {
   max,           //!< `max_aggregation`: the highest bound over rows (and KV heads when shared)
   softmax_mass,  //!< `softmax_mass_aggregation`: per row a softmax over blocks, summed
+  //! `confidence_weighted_aggregation`: softmax mass with each row's mass times its lookahead
+  //! token's weight (`topk_request::weights`; null: all 1, the same bits as `softmax_mass`)
+  confidence_weighted,
 };
 
 //! @brief GPU counterpart of `lookahead_predictor<minmax_summary<f16>, A, G>` with `A` =
-//! `max_aggregation` or `softmax_mass_aggregation` (`options::aggregation`), plus the
+//! `max_aggregation`, `softmax_mass_aggregation` or `confidence_weighted_aggregation`
+//! (`options::aggregation`), plus the
 //! translation to staging slots: the same bound (q+ . max + q- . min), the same kept sinks and
 //! recent window, ties to the lower index. Writes a `block_table_view`-shaped table (`refs`,
 //! `offsets`; `tables_per_seq` 1 or num_kv_heads) that `cuda::sparse_decode` reads. The same
@@ -278,9 +293,12 @@ enum class selection_aggregation : std::uint8_t {
 //! finite values first as the host's `softmax_mass` does (an empty entry gets no mass, an
 //! overflowed `+inf` or NaN bound the row's mass), and sums it over rows, the group's q heads and,
 //! for a shared selection, the KV heads. Every lookahead token weighs the same (the host's
-//! `query_view::weights == nullptr`; `confidence_weighted_aggregation` has no GPU counterpart).
-//! The sums run in another order than the host's and `expf` is not the host's `exp`, so scores
-//! agree to rounding, not bits: a near-tie at the budget's edge may resolve differently.
+//! `softmax_mass_aggregation`) unless the aggregation is `confidence_weighted`: then each row's
+//! mass, `e / sum` over the blocks, is multiplied by its token's weight before it is summed, as
+//! the host's `confidence_weighted_aggregation` does (`add_scaled(acc, e, w / sum)`), so a token
+//! of weight 0 moves nothing. The sums run in another order than the host's and `expf` is not the
+//! host's `exp`, so scores agree to rounding, not bits: a near-tie at the budget's edge may resolve
+//! differently.
 //!
 //! All kernels run on fixed grids sized from `num_seqs` and `max_blocks`; lengths are read on
 //! the device, so a step (select, gather the misses, decode) can be captured in a CUDA graph once
@@ -291,7 +309,8 @@ class topk_selector {
     cudaStream_t stream = nullptr;
     bool per_kv_head = false;    //!< one table per KV head (`per_kv_head_selection`)
     bool check_pointers = true;  //!< cudaPointerGetAttributes on every pointer of the request
-    //! How query rows fold into one score per block; softmax mass needs a workspace of
+    //! How query rows fold into one score per block; softmax mass (plain or confidence
+    //! weighted) needs a workspace of
     //! `num_seqs * num_kv_heads * num_tokens * group_size * max_blocks` floats.
     selection_aggregation aggregation = selection_aggregation::max;
   };
@@ -320,7 +339,9 @@ class topk_selector {
   }
 
   //! @brief Enqueues the scoring and the top-k on the stream. Throws before any launch when the
-  //! request is malformed. Asynchronous: `check_status` reports sequences longer than max_blocks.
+  //! request is malformed (`errc::invalid_argument` naming a non-device pointer, `weights`
+  //! included, when `check_pointers`). Asynchronous: `check_status` reports sequences longer
+  //! than max_blocks and negative or non-finite weights.
   void select(const device_minmax_summary& s, const topk_request& r) const {
     enqueue(s.layout(), r, [&](detail::select_kernel_args& a, dim3 grid, cudaStream_t st) {
       a.bounds = s.bounds();
@@ -355,22 +376,42 @@ class topk_selector {
     });
   }
 
-  //! @brief Synchronises the stream; throws `errc::out_of_range` if a sequence had more blocks
-  //! than `max_blocks` since the last check (its tail was left out), and clears the flag.
+  //! @brief Synchronises the stream and reports what the device found since the last check,
+  //! then clears it: `errc::out_of_range` if a sequence had more blocks than `max_blocks` (its
+  //! tail was left out), else `errc::invalid_argument` if a weight was negative or not finite
+  //! (it counted as 0), naming the first such weight by sequence and token and its value.
   void check_status() const {
     std::lock_guard lock(state_->mutex);
     if (state_->status == nullptr) {
       return;
     }
     std::uint32_t bad = 0;
+    unsigned long long weight_key = detail::no_bad_weight;
     detail::check(cudaStreamSynchronize(options_.stream), "cuda::topk_selector: the kernels");
     detail::check(cudaMemcpy(&bad, state_->status, sizeof(bad), cudaMemcpyDeviceToHost),
                   "cuda::topk_selector: reading the status word");
-    if (bad != 0) [[unlikely]] {
-      detail::check(cudaMemset(state_->status, 0, sizeof(bad)), "cuda::topk_selector: cudaMemset");
+    if (bad == 0) [[likely]] {
+      return;
+    }
+    detail::check(
+        cudaMemcpy(&weight_key, state_->bad_weight, sizeof(weight_key), cudaMemcpyDeviceToHost),
+        "cuda::topk_selector: reading the bad weight");
+    clear_status();
+    const detail::bad_weight_report w = detail::decode_bad_weight(weight_key);
+    if ((bad & detail::select_status_too_long) != 0) [[unlikely]] {
+      if ((bad & detail::select_status_bad_weight) != 0) {
+        oasiskv::detail::raise(errc::out_of_range,
+                               "cuda::topk_selector: a sequence has more blocks than max_blocks; "
+                               "also topk_request.weights[",
+                               w.seq, "][", w.token, "] = ", w.value,
+                               " is negative or not finite (counted as 0)");
+      }
       oasiskv::detail::raise(errc::out_of_range,
                              "cuda::topk_selector: a sequence has more blocks than max_blocks");
     }
+    oasiskv::detail::raise(errc::invalid_argument, "cuda::topk_selector: topk_request.weights[",
+                           w.seq, "][", w.token, "] = ", w.value,
+                           " must be finite and >= 0 (counted as 0)");
   }
 
  private:
@@ -383,6 +424,9 @@ class topk_selector {
     const int device = detail::current_device();
     if (options_.check_pointers) {
       detail::require_device_pointer(r.queries, device, "topk_request.queries");
+      if (r.weights != nullptr) {
+        detail::require_device_pointer(r.weights, device, "topk_request.weights");
+      }
       detail::require_device_pointer(r.seq_lens, device, "topk_request.seq_lens");
       detail::require_device_pointer(r.summary_ids, device, "topk_request.summary_ids");
       detail::require_device_pointer(r.staged_slots, device, "topk_request.staged_slots");
@@ -408,11 +452,14 @@ class topk_selector {
     a.scores = state_->scores;
     a.keys = state_->keys;
     a.status = state_->status;
+    a.bad_weight = state_->bad_weight;
+    a.weights = r.weights;
     a.num_seqs = r.num_seqs;
     a.max_blocks = r.max_blocks;
     a.tables_per_seq = tables_per_seq(l);
     a.sp = r.params;
-    a.softmax_mass = options_.aggregation == selection_aggregation::softmax_mass;
+    a.softmax_mass = options_.aggregation != selection_aggregation::max;
+    a.weighted = options_.aggregation == selection_aggregation::confidence_weighted;
     a.scale = 1.0f / std::sqrt(static_cast<float>(l.head_dim));  // the host predictor's
     a.raw = state_->raw;
     cudaStream_t st = options_.stream;
@@ -443,7 +490,9 @@ class topk_selector {
     std::uint32_t* keys = nullptr;  // [num_seqs * tables_per_seq][max_blocks]
     float* raw = nullptr;           // softmax mass: [num_seqs][num_kv_heads][rows][max_blocks]
     std::size_t score_elems = 0, key_elems = 0, raw_elems = 0;
-    std::uint32_t* status = nullptr;
+    std::uint32_t* status = nullptr;           // flags (select_status_*), in `words`
+    unsigned long long* bad_weight = nullptr;  // the lowest bad_weight_key, in `words`
+    void* words = nullptr;                     // 16 bytes: status, padding, bad_weight
     state() = default;
     state(const state&) = delete;
     state& operator=(const state&) = delete;
@@ -457,7 +506,7 @@ class topk_selector {
       (void)cudaFree(scores);
       (void)cudaFree(keys);
       (void)cudaFree(raw);
-      (void)cudaFree(status);
+      (void)cudaFree(words);
       if (switched) {
         (void)cudaSetDevice(previous);
       }
@@ -503,7 +552,7 @@ class topk_selector {
     }
     const std::size_t scores = std::size_t{num_seqs} * l.num_kv_heads * max_blocks;
     const std::size_t keys = std::size_t{num_seqs} * tables_per_seq(l) * max_blocks;
-    const std::size_t raw = options_.aggregation == selection_aggregation::softmax_mass
+    const std::size_t raw = options_.aggregation != selection_aggregation::max
                                 ? scores * num_tokens * l.group_size()
                                 : 0;
     if (st.status != nullptr && st.score_elems >= scores && st.key_elems >= keys &&
@@ -533,13 +582,24 @@ class topk_selector {
     grow(st.keys, st.key_elems, keys);
     grow(st.raw, st.raw_elems, raw);
     if (st.status == nullptr) {
-      void* m = nullptr;
-      detail::check(cudaMalloc(&m, sizeof(std::uint32_t)), "cuda::topk_selector: status",
-                    errc::out_of_memory);
-      st.status = static_cast<std::uint32_t*>(m);
-      detail::check(cudaMemset(st.status, 0, sizeof(std::uint32_t)),
-                    "cuda::topk_selector: cudaMemset");
+      detail::check(cudaMalloc(&st.words, 16), "cuda::topk_selector: status", errc::out_of_memory);
+      st.status = static_cast<std::uint32_t*>(st.words);
+      st.bad_weight = reinterpret_cast<unsigned long long*>(static_cast<char*>(st.words) + 8);
+      clear_status();
     }
+  }
+
+  // Zeroes the status flags and resets the bad weight.
+  void clear_status() const {
+    state& st = *state_;
+    const unsigned long long none = detail::no_bad_weight;
+    detail::check(cudaMemset(st.status, 0, sizeof(std::uint32_t)),
+                  "cuda::topk_selector: cudaMemset");
+    detail::check(cudaMemcpy(st.bad_weight, &none, sizeof(none), cudaMemcpyHostToDevice),
+                  "cuda::topk_selector: resetting the bad weight");
+    // Finished before this returns: the selection may run on a stream that does not wait for
+    // the legacy default stream.
+    detail::check(cudaStreamSynchronize(nullptr), "cuda::topk_selector: clearing the status");
   }
 
   options options_;

@@ -11,6 +11,7 @@
 #include <cfloat>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <type_traits>
@@ -25,6 +26,67 @@
 namespace oasiskv::cuda::detail {
 
 inline constexpr std::uint32_t select_status_too_long = 1u;  //!< a sequence exceeds max_blocks
+//! A draft weight is negative or not finite (treated as 0; the first is in `bad_weight`).
+inline constexpr std::uint32_t select_status_bad_weight = 2u;
+//! `bad_weight` when no weight was bad (above every key `bad_weight_key` makes).
+inline constexpr unsigned long long no_bad_weight = ~0ull;
+
+//! Whether a draft weight is usable: finite and >= 0 (the host's `check_queries` rule).
+OASISKV_HOST_DEVICE bool weight_ok(float w) {
+  return w >= 0.0f && w <= FLT_MAX;
+}
+
+//! The weight of query row `row` (lookahead token `row / group`) of sequence `seq` in
+//! `weights[num_seqs][num_tokens]`: 1 when `weights` is null (the host's
+//! `confidence_weighted_aggregation` with `query_view::weights == nullptr`), 0 for a negative or
+//! non-finite weight (which the host refuses before scoring; the device reports it instead).
+OASISKV_HOST_DEVICE float row_weight(const float* weights, std::uint32_t num_tokens,
+                                     std::uint32_t seq, std::uint32_t row, std::uint32_t group) {
+  if (weights == nullptr) {
+    return 1.0f;
+  }
+  const float w = weights[std::size_t{seq} * num_tokens + row / group];
+  return weight_ok(w) && w > 0.0f ? w : 0.0f;
+}
+
+//! A score clamped to finite values, as the host's `detail::clamp_finite_max` does before the
+//! softmax (NaN as `+inf`: it takes the row's mass).
+OASISKV_HOST_DEVICE float mass_clamp(float v) {
+  return v <= FLT_MAX ? (v >= -FLT_MAX ? v : -FLT_MAX) : FLT_MAX;
+}
+
+//! The factor of a row's exponentials in the accumulated mass: its weight over their sum, as the
+//! host's `add_scaled(acc, e, weight / sum)`. With weight 1 it is `1 / sum`, the bits of the
+//! unweighted mass.
+OASISKV_HOST_DEVICE float row_mass_factor(float weight, float sum) {
+  return weight / sum;
+}
+
+//! The order of a bad weight's report: the lowest (sequence, token) wins, its value in the low
+//! 32 bits. `seq < 2^16` and `token < 16` (`topk_request`'s bounds).
+OASISKV_HOST_DEVICE unsigned long long bad_weight_key(std::uint32_t seq, std::uint32_t token,
+                                                      float w) {
+  std::uint32_t bits = 0;
+  memcpy(&bits, &w, sizeof(bits));
+  return (static_cast<unsigned long long>(seq) << 36) |
+         (static_cast<unsigned long long>(token & 15u) << 32) | bits;
+}
+
+//! A decoded `bad_weight_key`.
+struct bad_weight_report {
+  std::uint32_t seq = 0;    //!< the sequence (row of `topk_request::weights`)
+  std::uint32_t token = 0;  //!< the lookahead token
+  float value = 0.0f;       //!< the weight, bit for bit
+};
+//! Decodes `bad_weight_key(seq, token, value)`.
+OASISKV_HOST_DEVICE bad_weight_report decode_bad_weight(unsigned long long key) {
+  bad_weight_report r;
+  r.seq = static_cast<std::uint32_t>(key >> 36);
+  r.token = static_cast<std::uint32_t>(key >> 32) & 15u;
+  const auto bits = static_cast<std::uint32_t>(key);
+  memcpy(&r.value, &bits, sizeof(bits));
+  return r;
+}
 
 //! @brief Everything one selection step reads and writes; device pointers, passed by value.
 struct select_kernel_args {
@@ -44,11 +106,14 @@ struct select_kernel_args {
   float* scores = nullptr;                     // workspace [num_seqs][num_kv_heads][max_blocks]
   std::uint32_t* keys = nullptr;               // workspace [num_seqs * tables_per_seq][max_blocks]
   std::uint32_t* status = nullptr;
+  unsigned long long* bad_weight = nullptr;  // the lowest `bad_weight_key` seen, or no_bad_weight
+  const float* weights = nullptr;            // [num_seqs][num_tokens] draft weights, or null
   std::uint32_t num_seqs = 0;
   std::uint32_t max_blocks = 0;
   std::uint32_t tables_per_seq = 1;
   selection_params sp{};
   bool softmax_mass = false;  // aggregate by softmax mass (else by max)
+  bool weighted = false;      // softmax_mass: each row's mass times its token's weight
   float scale = 1.0f;         // softmax_mass: the logit scale, 1/sqrt(head_dim)
   float* raw = nullptr;       // softmax_mass workspace [num_seqs][num_kv_heads][rows][max_blocks]
   // A cuda::device_quantized_minmax_summary instead of `bounds` (score_qminmax_kernel):
@@ -278,9 +343,12 @@ struct max_op {
 //! One CTA per (KV head, sequence): for each query row of the head (lookahead tokens x GQA
 //! members), the softmax over the sequence's blocks of `scale * score`, the scores clamped to
 //! finite values first (`detail::clamp_finite_max`: an empty entry's `-inf` gets no mass unless
-//! every entry is empty, `+inf` takes the row's mass), summed over the rows with equal weights
-//! into `scores` (the host's `softmax_mass_aggregation`, `add_scaled(acc, e, 1 / sum)`). A
-//! thread owns the same blocks in every pass, so only the reductions synchronise.
+//! every entry is empty, `+inf` takes the row's mass), summed over the rows into `scores`: with
+//! equal weights (the host's `softmax_mass_aggregation`, `add_scaled(acc, e, 1 / sum)`) or, when
+//! `weighted`, each row's mass times its lookahead token's weight (`confidence_weighted_
+//! aggregation`, `add_scaled(acc, e, w / sum)`; `row_weight`). A row of weight 0 adds nothing
+//! and is skipped. A thread owns the same blocks in every pass, so only the reductions
+//! synchronise.
 __global__ void __launch_bounds__(mass_threads) softmax_mass_kernel(const select_kernel_args a) {
   using reduce = cub::BlockReduce<float, mass_threads>;
   __shared__ typename reduce::TempStorage storage;
@@ -294,11 +362,17 @@ __global__ void __launch_bounds__(mass_threads) softmax_mass_kernel(const select
   for (std::uint32_t i = threadIdx.x; i < n; i += mass_threads) {
     acc[i] = 0.0f;
   }
+  const std::uint32_t group = a.layout.group_size();
   for (std::uint32_t r = 0; r < rows; ++r) {
+    // The same for every thread of the CTA, so skipping the row keeps the barriers uniform.
+    const float w = a.weighted ? row_weight(a.weights, a.num_tokens, seq, r, group) : 1.0f;
+    if (w == 0.0f) {
+      continue;  // adds w * e = +0 to every block's mass: nothing
+    }
     float* x = a.raw + ((std::size_t{seq} * kv + h) * rows + r) * a.max_blocks;
     float m = -FLT_MAX;
     for (std::uint32_t i = threadIdx.x; i < n; i += mass_threads) {
-      const float v = x[i] <= FLT_MAX ? (x[i] >= -FLT_MAX ? x[i] : -FLT_MAX) : FLT_MAX;
+      const float v = mass_clamp(x[i]);
       x[i] = v;
       m = v > m ? v : m;
     }
@@ -320,7 +394,8 @@ __global__ void __launch_bounds__(mass_threads) softmax_mass_kernel(const select
       shared_value = sum;
     }
     __syncthreads();
-    const float k = 1.0f / shared_value;  // >= 1: the row's maximum contributes exp(0)
+    // shared_value >= 1: the row's maximum contributes exp(0).
+    const float k = row_mass_factor(w, shared_value);
     for (std::uint32_t i = threadIdx.x; i < n; i += mass_threads) {
       acc[i] += k * x[i];
     }
@@ -356,6 +431,15 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
   const std::uint32_t budget = a.sp.budget_blocks;
   const std::uint32_t n = seq_blocks(a, seq);
   const std::uint32_t count = n < budget ? n : budget;
+  if (head == 0 && a.weights != nullptr && threadIdx.x < a.num_tokens) {
+    // The sequence's weights are checked once (by its first table) whatever the aggregation,
+    // as the host's check_queries does; a bad one is reported, and weighs 0 in the mass.
+    const float w = a.weights[std::size_t{seq} * a.num_tokens + threadIdx.x];
+    if (!weight_ok(w)) {
+      atomicOr(a.status, select_status_bad_weight);
+      atomicMin(a.bad_weight, bad_weight_key(seq, threadIdx.x, w));
+    }
+  }
   std::uint32_t offset = 0;
   for (std::uint32_t s = threadIdx.x; s < seq; s += topk_threads) {
     const std::uint32_t ns = seq_blocks(a, s);
