@@ -274,6 +274,126 @@ struct basic_mass_setup {
 using mass_setup = basic_mass_setup<>;
 using qmass_setup = basic_mass_setup<oasiskv::quantized_minmax_summary>;
 
+using tables_t = std::vector<std::vector<std::uint32_t>>;
+template <class Setup>
+constexpr bool quantized =
+    std::is_same_v<typename Setup::summary_type, oasiskv::quantized_minmax_summary>;
+
+const oasiskv::selection_params weighted_sp{20, 2, 3};
+
+template <class Setup>
+auto device_summary_of(const Setup& st) {
+  std::vector<std::uint32_t> all(st.capacity);
+  for (std::uint32_t i = 0; i < st.capacity; ++i) {
+    all[i] = i;
+  }
+  if constexpr (quantized<Setup>) {
+    oc::device_quantized_minmax_summary ds(st.l, st.capacity);
+    ds.upload(st.summary, all);
+    return ds;
+  } else {
+    oc::device_minmax_summary ds(st.l, st.capacity);
+    ds.upload(st.summary, all);
+    return ds;
+  }
+}
+
+struct gpu_tables {
+  std::vector<block_ref> refs;
+  std::vector<std::uint32_t> offsets;
+};
+
+// A selection request over `st` (identity staging: staged slot = summary id) and the device
+// buffers it reads and writes.
+struct device_request {
+  device_buffer<float> q;
+  device_buffer<std::uint32_t> lens, ids;
+  device_buffer<oasiskv::slot_id> staged;
+  device_buffer<block_ref> refs;
+  device_buffer<std::uint32_t> offsets;
+  std::unique_ptr<device_buffer<float>> weights;
+  oc::topk_request r;
+
+  template <class Setup>
+  device_request(const oc::topk_selector& sel, const Setup& st, const std::vector<float>& queries,
+                 std::uint32_t tokens, const std::vector<float>* w,
+                 const oasiskv::selection_params& sp)
+      : q(queries),
+        lens(st.lens),
+        ids(st.ids),
+        staged(st.ids),
+        refs(std::size_t{st.num_seqs} * sel.tables_per_seq(st.l) * sp.budget_blocks),
+        offsets(st.num_seqs * sel.tables_per_seq(st.l) + 1) {
+    if (w != nullptr) {
+      weights = std::make_unique<device_buffer<float>>(*w);
+    }
+    r.queries = q.get();
+    r.weights = weights == nullptr ? nullptr : weights->get();
+    r.num_tokens = tokens;
+    r.seq_lens = lens.get();
+    r.summary_ids = ids.get();
+    r.staged_slots = staged.get();
+    r.refs = refs.get();
+    r.offsets = offsets.get();
+    r.num_seqs = st.num_seqs;
+    r.max_blocks = st.max_blocks;
+    r.params = sp;
+  }
+  gpu_tables download() const { return {refs.download(), offsets.download()}; }
+};
+
+// One selection by `sel`; `check` calls check_status afterwards.
+template <class Setup, class DeviceSummary>
+gpu_tables gpu_select(const oc::topk_selector& sel, const Setup& st, const DeviceSummary& ds,
+                      const std::vector<float>& q, std::uint32_t tokens,
+                      const std::vector<float>* weights, bool check = true,
+                      const oasiskv::selection_params& sp = weighted_sp) {
+  device_request req(sel, st, q, tokens, weights, sp);
+  sel.select(ds, req.r);
+  if (check) {
+    sel.check_status();
+  }
+  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+  return req.download();
+}
+
+oc::topk_selector make_selector(bool per_head, oc::selection_aggregation agg) {
+  oc::topk_selector::options o;
+  o.per_kv_head = per_head;
+  o.aggregation = agg;
+  return oc::topk_selector(o);
+}
+
+void check_tables(const gpu_tables& got, const tables_t& expect,
+                  const oasiskv::selection_params& sp = weighted_sp) {
+  REQUIRE(got.offsets.size() == expect.size() + 1);
+  CHECK(got.offsets[0] == 0);
+  for (std::size_t t = 0; t < expect.size(); ++t) {
+    CAPTURE(t);
+    REQUIRE(got.offsets[t + 1] - got.offsets[t] == expect[t].size());
+    CHECK(expect[t].size() == sp.budget_blocks);
+    for (std::size_t i = 0; i < expect[t].size(); ++i) {
+      CHECK(got.refs[got.offsets[t] + i].index == expect[t][i]);
+    }
+  }
+}
+
+// Mass setups drawn until the host masses cut clearly (a shared table sums two heads' masses,
+// which can come close), so the GPU's rounding cannot flip the selection; null if none did.
+template <class Setup>
+std::pair<std::unique_ptr<Setup>, std::vector<float>> draw_clear_cut(
+    const oasiskv::kv_layout& l, std::uint32_t tokens, const oasiskv::selection_params& sp,
+    bool per_head, std::mt19937& rng) {
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    auto st = std::make_unique<Setup>(l, 3, 96, rng);
+    auto q = st->queries(tokens, rng);
+    if (st->margin_ok(q, tokens, sp, per_head)) {
+      return {std::move(st), std::move(q)};
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 TEST_CASE("cuda::topk_selector selects what the CPU lookahead predictor selects") {
@@ -673,18 +793,7 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
         CAPTURE(tokens);
         const oasiskv::kv_layout l{1, 8, 2, d, 16, oasiskv::dtype::f16};
         const oasiskv::selection_params sp{20, 2, 3};  // a budget well below 48..96 blocks
-        // Inputs are drawn until the host masses cut clearly (a shared table sums two heads'
-        // masses, which can come close): the GPU's rounding then cannot flip the selection.
-        std::unique_ptr<mass_setup> pst;
-        std::vector<float> q;
-        for (int attempt = 0; attempt < 64; ++attempt) {
-          pst = std::make_unique<mass_setup>(l, 3, 96, rng);
-          q = pst->queries(tokens, rng);
-          if (pst->margin_ok(q, tokens, sp, per_head)) {
-            break;
-          }
-          pst.reset();
-        }
+        auto [pst, q] = draw_clear_cut<mass_setup>(l, tokens, sp, per_head, rng);
         REQUIRE(pst != nullptr);
         mass_setup& st = *pst;
         const auto expect =
@@ -696,70 +805,40 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
           CHECK(expect != cpu_select(st, q, tokens, sp, per_head));
         }
 
-        oc::device_minmax_summary ds(l, st.capacity);
-        std::vector<std::uint32_t> all(st.capacity);
-        for (std::uint32_t i = 0; i < st.capacity; ++i) {
-          all[i] = i;
-        }
-        ds.upload(st.summary, all);
-        oc::topk_selector::options o;
-        o.per_kv_head = per_head;
-        o.aggregation = oc::selection_aggregation::softmax_mass;
-        oc::topk_selector sel(o);
-        const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(l);
-        device_buffer<float> dq(q);
-        device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
-        device_buffer<oasiskv::slot_id> dstaged(st.ids);
-        device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
-        device_buffer<std::uint32_t> offsets(tables + 1);
-        oc::topk_request r;
-        r.queries = dq.get();
-        r.num_tokens = tokens;
-        r.seq_lens = dlens.get();
-        r.summary_ids = dids.get();
-        r.staged_slots = dstaged.get();
-        r.refs = refs.get();
-        r.offsets = offsets.get();
-        r.num_seqs = st.num_seqs;
-        r.max_blocks = st.max_blocks;
-        r.params = sp;
-        sel.select(ds, r);
+        const auto ds = device_summary_of(st);
+        const oc::topk_selector sel =
+            make_selector(per_head, oc::selection_aggregation::softmax_mass);
+        device_request req(sel, st, q, tokens, nullptr, sp);
+        sel.select(ds, req.r);
         sel.check_status();
-        const auto got_refs = refs.download();
-        const auto got_off = offsets.download();
-        REQUIRE(expect.size() == tables);
-        CHECK(got_off[0] == 0);
-        for (std::uint32_t t = 0; t < tables; ++t) {
-          CAPTURE(t);
-          REQUIRE(got_off[t + 1] - got_off[t] == expect[t].size());
-          CHECK(expect[t].size() == sp.budget_blocks);
-          for (std::size_t i = 0; i < expect[t].size(); ++i) {
-            CHECK(got_refs[got_off[t] + i].index == expect[t][i]);
-          }
-        }
+        const gpu_tables got = req.download();
+        REQUIRE(expect.size() == st.num_seqs * sel.tables_per_seq(l));
+        check_tables(got, expect, sp);
 
         // The same selection captured in a CUDA graph (the workspace reserved first) and
         // replayed into cleared outputs gives the same tables.
         if (d == 128 && tokens == 4) {
           cudaStream_t stream = nullptr;
           OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-          oc::topk_selector::options co = o;
+          oc::topk_selector::options co;
+          co.per_kv_head = per_head;
+          co.aggregation = oc::selection_aggregation::softmax_mass;
           co.stream = stream;
           oc::topk_selector captured(co);
           captured.reserve(l, st.num_seqs, st.max_blocks, tokens);
           cudaGraph_t graph = nullptr;
           cudaGraphExec_t exec = nullptr;
           OASISKV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          captured.select(ds, r);
+          captured.select(ds, req.r);
           OASISKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
           OASISKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-          OASISKV_CUDA_CHECK(cudaMemset(refs.get(), 0xff, refs.size() * sizeof(block_ref)));
+          OASISKV_CUDA_CHECK(cudaMemset(req.refs.get(), 0xff, req.refs.size() * sizeof(block_ref)));
           OASISKV_CUDA_CHECK(
-              cudaMemset(offsets.get(), 0xff, offsets.size() * sizeof(std::uint32_t)));
+              cudaMemset(req.offsets.get(), 0xff, req.offsets.size() * sizeof(std::uint32_t)));
           OASISKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
           OASISKV_CUDA_CHECK(cudaStreamSynchronize(stream));
-          CHECK(refs.download() == got_refs);
-          CHECK(offsets.download() == got_off);
+          CHECK(req.refs.download() == got.refs);
+          CHECK(req.offsets.download() == got.offsets);
           OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
           OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
           OASISKV_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -780,61 +859,14 @@ TEST_CASE(
       CAPTURE(per_head);
       const oasiskv::kv_layout l{1, 8, 2, d, 16, oasiskv::dtype::f16};
       const oasiskv::selection_params sp{20, 2, 3};
-      std::unique_ptr<qmass_setup> pst;
-      std::vector<float> q;
-      for (int attempt = 0; attempt < 64; ++attempt) {
-        pst = std::make_unique<qmass_setup>(l, 3, 96, rng);
-        q = pst->queries(tokens, rng);
-        if (pst->margin_ok(q, tokens, sp, per_head)) {
-          break;
-        }
-        pst.reset();
-      }
+      auto [pst, q] = draw_clear_cut<qmass_setup>(l, tokens, sp, per_head, rng);
       REQUIRE(pst != nullptr);
-      qmass_setup& st = *pst;
       const auto expect =
-          cpu_select<oasiskv::softmax_mass_aggregation>(st, q, tokens, sp, per_head);
-      oc::device_quantized_minmax_summary ds(l, st.capacity);
-      std::vector<std::uint32_t> all(st.capacity);
-      for (std::uint32_t i = 0; i < st.capacity; ++i) {
-        all[i] = i;
-      }
-      ds.upload(st.summary, all);
-      oc::topk_selector::options o;
-      o.per_kv_head = per_head;
-      o.aggregation = oc::selection_aggregation::softmax_mass;
-      oc::topk_selector sel(o);
-      const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(l);
-      device_buffer<float> dq(q);
-      device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
-      device_buffer<oasiskv::slot_id> dstaged(st.ids);
-      device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
-      device_buffer<std::uint32_t> offsets(tables + 1);
-      oc::topk_request r;
-      r.queries = dq.get();
-      r.num_tokens = tokens;
-      r.seq_lens = dlens.get();
-      r.summary_ids = dids.get();
-      r.staged_slots = dstaged.get();
-      r.refs = refs.get();
-      r.offsets = offsets.get();
-      r.num_seqs = st.num_seqs;
-      r.max_blocks = st.max_blocks;
-      r.params = sp;
-      sel.select(ds, r);
-      sel.check_status();
-      const auto got_refs = refs.download();
-      const auto got_off = offsets.download();
-      REQUIRE(expect.size() == tables);
-      CHECK(got_off[0] == 0);
-      for (std::uint32_t t = 0; t < tables; ++t) {
-        CAPTURE(t);
-        REQUIRE(got_off[t + 1] - got_off[t] == expect[t].size());
-        CHECK(expect[t].size() == sp.budget_blocks);
-        for (std::size_t i = 0; i < expect[t].size(); ++i) {
-          CHECK(got_refs[got_off[t] + i].index == expect[t][i]);
-        }
-      }
+          cpu_select<oasiskv::softmax_mass_aggregation>(*pst, q, tokens, sp, per_head);
+      const auto ds = device_summary_of(*pst);
+      const oc::topk_selector sel =
+          make_selector(per_head, oc::selection_aggregation::softmax_mass);
+      check_tables(gpu_select(sel, *pst, ds, q, tokens, nullptr, true, sp), expect, sp);
     }
   }
 }
@@ -899,12 +931,6 @@ namespace {
 
 using oasiskv::confidence_weighted_aggregation;
 using oasiskv::softmax_mass_aggregation;
-using tables_t = std::vector<std::vector<std::uint32_t>>;
-template <class Setup>
-constexpr bool quantized =
-    std::is_same_v<typename Setup::summary_type, oasiskv::quantized_minmax_summary>;
-
-const oasiskv::selection_params weighted_sp{20, 2, 3};
 
 oasiskv::kv_layout weighted_layout(std::uint32_t d) {
   return {1, 8, 2, d, 16, oasiskv::dtype::f16};
@@ -1011,84 +1037,6 @@ zero_inputs<Setup> make_zero(std::uint32_t d, bool per_head) {
     break;
   }
   return x;
-}
-
-template <class Setup>
-auto device_summary_of(const Setup& st) {
-  std::vector<std::uint32_t> all(st.capacity);
-  for (std::uint32_t i = 0; i < st.capacity; ++i) {
-    all[i] = i;
-  }
-  if constexpr (quantized<Setup>) {
-    oc::device_quantized_minmax_summary ds(st.l, st.capacity);
-    ds.upload(st.summary, all);
-    return ds;
-  } else {
-    oc::device_minmax_summary ds(st.l, st.capacity);
-    ds.upload(st.summary, all);
-    return ds;
-  }
-}
-
-struct gpu_tables {
-  std::vector<block_ref> refs;
-  std::vector<std::uint32_t> offsets;
-};
-
-// One selection by `sel` (identity staging); `check` calls check_status afterwards.
-template <class Setup, class DeviceSummary>
-gpu_tables gpu_select(const oc::topk_selector& sel, const Setup& st, const DeviceSummary& ds,
-                      const std::vector<float>& q, std::uint32_t tokens,
-                      const std::vector<float>* weights, bool check = true) {
-  const oasiskv::selection_params& sp = weighted_sp;
-  const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(st.l);
-  device_buffer<float> dq(q);
-  device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
-  device_buffer<oasiskv::slot_id> dstaged(st.ids);
-  device_buffer<block_ref> refs(std::size_t{tables} * sp.budget_blocks);
-  device_buffer<std::uint32_t> offsets(tables + 1);
-  std::unique_ptr<device_buffer<float>> dw;
-  if (weights != nullptr) {
-    dw = std::make_unique<device_buffer<float>>(*weights);
-  }
-  oc::topk_request r;
-  r.queries = dq.get();
-  r.weights = dw == nullptr ? nullptr : dw->get();
-  r.num_tokens = tokens;
-  r.seq_lens = dlens.get();
-  r.summary_ids = dids.get();
-  r.staged_slots = dstaged.get();
-  r.refs = refs.get();
-  r.offsets = offsets.get();
-  r.num_seqs = st.num_seqs;
-  r.max_blocks = st.max_blocks;
-  r.params = sp;
-  sel.select(ds, r);
-  if (check) {
-    sel.check_status();
-  }
-  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
-  return {refs.download(), offsets.download()};
-}
-
-oc::topk_selector make_selector(bool per_head, oc::selection_aggregation agg) {
-  oc::topk_selector::options o;
-  o.per_kv_head = per_head;
-  o.aggregation = agg;
-  return oc::topk_selector(o);
-}
-
-void check_tables(const gpu_tables& got, const tables_t& expect) {
-  REQUIRE(got.offsets.size() == expect.size() + 1);
-  CHECK(got.offsets[0] == 0);
-  for (std::size_t t = 0; t < expect.size(); ++t) {
-    CAPTURE(t);
-    REQUIRE(got.offsets[t + 1] - got.offsets[t] == expect[t].size());
-    CHECK(expect[t].size() == weighted_sp.budget_blocks);
-    for (std::size_t i = 0; i < expect[t].size(); ++i) {
-      CHECK(got.refs[got.offsets[t] + i].index == expect[t][i]);
-    }
-  }
 }
 
 // The message of the oasiskv::error `f` throws (its code in `code`), or "" if none.
