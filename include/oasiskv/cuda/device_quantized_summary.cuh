@@ -83,6 +83,10 @@ inline void check_summary_load_batch(const char* who, const kv_layout& layout,
 //! `update` checks the block's capacity before it launches; device-side writes are asynchronous
 //! on the given stream (one CTA per call, looping over the KV heads). Unlike the host summary,
 //! an update past `tokens_per_block` is an error, not a saturation.
+//!
+//! As the host model, it grows (`grow`: every entry kept, on the device) and takes shipped
+//! summaries (`load`: the host wire format, quantized by the host `load` itself), with their
+//! arguments checked on the host by `check_grow` / `check_load`.
 class device_quantized_minmax_summary {
  public:
   //! @brief Allocates `capacity` empty entries for `layout` (synchronous); `errc::invalid_argument`

@@ -51,6 +51,10 @@ namespace oasiskv::cuda {
 //! `update` checks the block's capacity before it launches; the device-side writes are
 //! asynchronous on the given stream and ordered with the selection when both use one stream.
 //! Unlike the host summary, an update past `tokens_per_block` is an error, not a saturation.
+//!
+//! As the host model, it grows (`grow`: every entry kept, on the device) and takes shipped
+//! summaries (`load`: the host wire format, the host `load`'s bits), with their arguments
+//! checked on the host by `check_grow` / `check_load`.
 class device_minmax_summary {
  public:
   device_minmax_summary(const kv_layout& layout, std::uint32_t capacity)
