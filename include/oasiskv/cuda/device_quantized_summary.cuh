@@ -60,6 +60,47 @@ inline void check_summary_load_batch(const char* who, const kv_layout& layout,
   }
 }
 
+//! @brief The widest pitch handed to a 2D copy or set: `cudaDevAttrMaxPitch` of current devices
+//! (2^31 - 1 bytes). Arrays with wider rows are copied row by row.
+inline constexpr std::size_t max_copy_pitch = 0x7fffffff;
+
+//! @brief `height` rows of `width` bytes from `src` (rows `spitch` apart) to `dst` (rows `dpitch`
+//! apart) on `stream`: one `cudaMemcpy2DAsync`, or one `cudaMemcpyAsync` per row where a pitch
+//! is beyond `max_copy_pitch`. The first error, if any.
+inline cudaError_t copy_rows_async(void* dst, std::size_t dpitch, const void* src,
+                                   std::size_t spitch, std::size_t width, std::size_t height,
+                                   cudaMemcpyKind kind, cudaStream_t stream) {
+  if (dpitch <= max_copy_pitch && spitch <= max_copy_pitch) {
+    return cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream);
+  }
+  for (std::size_t r = 0; r < height; ++r) {
+    if (const cudaError_t e =
+            cudaMemcpyAsync(static_cast<std::byte*>(dst) + r * dpitch,
+                            static_cast<const std::byte*>(src) + r * spitch, width, kind, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return cudaSuccess;
+}
+
+//! @brief Zeroes `height` rows of `width` bytes at `dst`, rows `pitch` apart, on `stream`
+//! (`cudaMemset2DAsync`, or row by row beyond `max_copy_pitch`). The first error, if any.
+inline cudaError_t clear_rows_async(void* dst, std::size_t pitch, std::size_t width,
+                                    std::size_t height, cudaStream_t stream) {
+  if (pitch <= max_copy_pitch) {
+    return cudaMemset2DAsync(dst, pitch, 0, width, height, stream);
+  }
+  for (std::size_t r = 0; r < height; ++r) {
+    if (const cudaError_t e =
+            cudaMemsetAsync(static_cast<std::byte*>(dst) + r * pitch, 0, width, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return cudaSuccess;
+}
+
 }  // namespace detail
 
 //! @brief `quantized_minmax_summary` in device memory, per entry rather than in the host's
@@ -313,11 +354,11 @@ class device_quantized_minmax_summary {
       // the rest zero.
       auto regrow = [&](void* dst, const void* src, std::size_t width) {
         const std::size_t old_w = old_c * width, new_w = new_c * width;
-        detail::check(cudaMemcpy2DAsync(dst, new_w, src, old_w, old_w, heads,
-                                        cudaMemcpyDeviceToDevice, stream),
+        detail::check(detail::copy_rows_async(dst, new_w, src, old_w, old_w, heads,
+                                              cudaMemcpyDeviceToDevice, stream),
                       what);
-        detail::check(cudaMemset2DAsync(static_cast<std::byte*>(dst) + old_w, new_w, 0,
-                                        new_w - old_w, heads, stream),
+        detail::check(detail::clear_rows_async(static_cast<std::byte*>(dst) + old_w, new_w,
+                                               new_w - old_w, heads, stream),
                       what);
       };
       regrow(codes, codes_, pairs() * sizeof(std::uint32_t));
@@ -437,18 +478,18 @@ class device_quantized_minmax_summary {
     const std::size_t word_row = pairs() * sizeof(std::uint32_t);
     for (std::size_t i = 0; i < n; ++i) {
       const std::uint32_t e = entries[i];
-      detail::check(cudaMemcpy2DAsync(codes_ + std::size_t{e} * pairs(), capacity_ * word_row,
-                                      words.data() + i * heads * pairs(), word_row, word_row, heads,
-                                      cudaMemcpyHostToDevice, stream),
+      detail::check(detail::copy_rows_async(codes_ + std::size_t{e} * pairs(), capacity_ * word_row,
+                                            words.data() + i * heads * pairs(), word_row, word_row,
+                                            heads, cudaMemcpyHostToDevice, stream),
                     what);
-      detail::check(
-          cudaMemcpy2DAsync(scale_ + e, capacity_ * sizeof(float), scales.data() + i * heads,
-                            sizeof(float), sizeof(float), heads, cudaMemcpyHostToDevice, stream),
-          what);
-      detail::check(
-          cudaMemcpy2DAsync(norm_ + e, capacity_ * sizeof(float), norms.data() + i * heads,
-                            sizeof(float), sizeof(float), heads, cudaMemcpyHostToDevice, stream),
-          what);
+      detail::check(detail::copy_rows_async(scale_ + e, capacity_ * sizeof(float),
+                                            scales.data() + i * heads, sizeof(float), sizeof(float),
+                                            heads, cudaMemcpyHostToDevice, stream),
+                    what);
+      detail::check(detail::copy_rows_async(norm_ + e, capacity_ * sizeof(float),
+                                            norms.data() + i * heads, sizeof(float), sizeof(float),
+                                            heads, cudaMemcpyHostToDevice, stream),
+                    what);
       detail::check(
           cudaMemcpyAsync(bias_ + e, &biases[i], sizeof(float), cudaMemcpyHostToDevice, stream),
           what);

@@ -246,11 +246,11 @@ class device_minmax_summary {
       std::copy(host_tokens_.begin(), host_tokens_.end(), host.begin());
       const std::size_t old_w = capacity_ * row, new_w = capacity * row;
       const char* what = "cuda::device_minmax_summary::grow: copying the entries";
-      detail::check(cudaMemcpy2DAsync(b, new_w, bounds_, old_w, old_w, layout_.num_kv_heads,
-                                      cudaMemcpyDeviceToDevice, stream),
+      detail::check(detail::copy_rows_async(b, new_w, bounds_, old_w, old_w, layout_.num_kv_heads,
+                                            cudaMemcpyDeviceToDevice, stream),
                     what);
-      detail::check(cudaMemset2DAsync(reinterpret_cast<std::byte*>(b) + old_w, new_w, 0,
-                                      new_w - old_w, layout_.num_kv_heads, stream),
+      detail::check(detail::clear_rows_async(reinterpret_cast<std::byte*>(b) + old_w, new_w,
+                                             new_w - old_w, layout_.num_kv_heads, stream),
                     what);
       detail::check(cudaMemcpyAsync(t, tokens_, std::size_t{capacity_} * sizeof(std::uint16_t),
                                     cudaMemcpyDeviceToDevice, stream),
@@ -330,10 +330,11 @@ class device_minmax_summary {
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const std::uint32_t e = entries[i];
       counts[i] = static_cast<std::uint16_t>(tokens[i]);
-      detail::check(cudaMemcpy2DAsync(bounds_ + std::size_t{e} * 2 * d, capacity_ * row,
-                                      staged.data() + i * layout_.num_kv_heads * 2 * d, row, row,
-                                      layout_.num_kv_heads, cudaMemcpyHostToDevice, stream),
-                    what);
+      detail::check(
+          detail::copy_rows_async(bounds_ + std::size_t{e} * 2 * d, capacity_ * row,
+                                  staged.data() + i * layout_.num_kv_heads * 2 * d, row, row,
+                                  layout_.num_kv_heads, cudaMemcpyHostToDevice, stream),
+          what);
       detail::check(cudaMemcpyAsync(tokens_ + e, &counts[i], sizeof(std::uint16_t),
                                     cudaMemcpyHostToDevice, stream),
                     what);
