@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -319,8 +320,9 @@ void append(oc::device_quantized_minmax_summary& ds, oasiskv::quantized_minmax_s
 
 // Shipped summaries of `n` blocks, `[n][kv heads][2 (max, min)][d]` f16, as
 // `disagg::summarize_block` writes them: every finite maximum at or above its finite minimum,
-// with infinities and NaN bounds now and then (the entry then scores +inf), signed zeros and
-// subnormals. Entries whose index is odd are multiplied by `spread` (a larger scale).
+// with infinities and NaN bounds now and then in entries 0, 3, 6, ... (the entry then scores
+// +inf; the others are finite), signed zeros and subnormals. Entries whose index is odd are
+// multiplied by `spread` (a larger scale).
 std::vector<std::byte> wire_entries(const oasiskv::kv_layout& l, std::size_t n, std::mt19937& rng,
                                     float spread = 16.0f) {
   const std::uint32_t d = l.head_dim;
@@ -329,7 +331,11 @@ std::vector<std::byte> wire_entries(const oasiskv::kv_layout& l, std::size_t n, 
     for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
       for (std::uint32_t x = 0; x < d; ++x) {
         const float m = i % 2 == 1 ? spread : 1.0f;
-        const float a = key_value(rng) * m, b = key_value(rng) * m;
+        float a = key_value(rng) * m, b = key_value(rng) * m;
+        if (i % 3 != 0) {  // finite in f16: the entry does not overflow
+          a = std::isfinite(a) && std::abs(a) < 6.0e4f ? a : 1.5f;
+          b = std::isfinite(b) && std::abs(b) < 6.0e4f ? b : -0.75f;
+        }
         const std::size_t at = ((i * l.num_kv_heads + h) * 2) * d + x;
         w[at] = oasiskv::f16::from_float(a < b ? b : a).bits;
         w[at + d] = oasiskv::f16::from_float(a < b ? a : b).bits;
@@ -605,4 +611,47 @@ TEST_CASE("device_quantized_minmax_summary: bad grow and load throw before any d
   ds.grow(5, sg.s);
   hs.grow(5);
   check_same(ds, hs);
+}
+
+TEST_CASE("device_quantized_minmax_summary: stage_load gives the host load's entries" *
+          doctest::test_suite("host")) {
+  using S = oc::device_quantized_minmax_summary;
+  std::mt19937 rng(90);
+  for (const std::uint32_t d : {64u, 128u, 520u}) {
+    CAPTURE(d);
+    const oasiskv::kv_layout l{1, 12, 3, d, 16, oasiskv::dtype::f16};
+    const std::size_t n = 6, wire = S::wire_bytes_of(l), pairs = d / 2;
+    const std::vector<std::byte> bytes = wire_entries(l, n, rng);
+    const std::vector<std::uint32_t> tokens{1, 16, 7, 3, 16, 9};
+    const S::staged_entries st = S::stage_load(l, bytes, tokens);
+    REQUIRE(st.words.size() == n * l.num_kv_heads * pairs);
+    REQUIRE(st.scales.size() == n * l.num_kv_heads);
+    REQUIRE(st.norms.size() == n * l.num_kv_heads);
+    REQUIRE(st.biases.size() == n);
+    REQUIRE(st.tokens.size() == n);
+    oasiskv::quantized_minmax_summary hs(l, 20);
+    std::vector<std::uint32_t> words(pairs);
+    std::size_t overflowed = 0;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      CAPTURE(i);
+      const std::uint32_t e = 19 - 3 * i;  // other entries than the scratch summary's
+      hs.load(e, std::span(bytes).subspan(i * wire, wire), tokens[i]);
+      CHECK(st.tokens[i] == hs.tokens(e));
+      CHECK(bits(st.biases[i]) == bits(hs.overflowed(e) ? inf : 0.0f));
+      overflowed += hs.overflowed(e) ? 1 : 0;
+      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+        CAPTURE(h);
+        const float s = hs.bound_words(h, e, words.data());
+        CHECK(s > 0.0f);
+        CHECK(bits(st.scales[i * l.num_kv_heads + h]) == bits(s));
+        CHECK(bits(st.norms[i * l.num_kv_heads + h]) == bits(hs.norm(h, e)));
+        CHECK(std::equal(
+            words.begin(), words.end(),
+            st.words.begin() + static_cast<std::ptrdiff_t>((i * l.num_kv_heads + h) * pairs)));
+      }
+    }
+    CHECK(S::stage_load(l, {}, {}).words.empty());
+    CHECK(overflowed > 0);  // entries with a non-finite bound and entries without
+    CHECK(overflowed < n);
+  }
 }

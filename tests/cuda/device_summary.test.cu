@@ -545,3 +545,36 @@ TEST_CASE("device_minmax_summary: bad grow and load throw before any device work
   hs.grow(5);
   check_same(ds, hs);
 }
+
+TEST_CASE("device_minmax_summary: stage_load gives the host load's bounds" *
+          doctest::test_suite("host")) {
+  std::mt19937 rng(80);
+  for (const std::uint32_t d : {64u, 128u}) {
+    CAPTURE(d);
+    const oasiskv::kv_layout l{1, 12, 3, d, 16, oasiskv::dtype::f16};
+    const std::size_t n = 5, wire = oc::device_minmax_summary::wire_bytes_of(l);
+    const std::vector<std::byte> bytes = wire_entries(l, n, rng);
+    const std::vector<std::uint16_t> staged = oc::device_minmax_summary::stage_load(l, bytes);
+    REQUIRE(staged.size() == n * l.num_kv_heads * 2 * d);
+    oasiskv::minmax_summary<oasiskv::f16> hs(l, 8);
+    std::size_t nans = 0;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      const std::uint32_t e = 7 - i;
+      hs.load(e, std::span(bytes).subspan(i * wire, wire), i + 1);
+      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+        CAPTURE(i);
+        CAPTURE(h);
+        const auto at = static_cast<std::ptrdiff_t>((std::size_t{i} * l.num_kv_heads + h) * 2 * d);
+        CHECK(std::vector<std::uint16_t>(staged.begin() + at,
+                                         staged.begin() + at + 2 * std::ptrdiff_t{d}) ==
+              host_bounds(hs, h, e));
+        for (std::uint32_t x = 0; x < 2 * d; ++x) {
+          std::uint16_t w = 0;
+          std::memcpy(&w, bytes.data() + (static_cast<std::size_t>(at) + x) * 2, 2);
+          nans += (w & 0x7fffu) > 0x7c00u ? 1 : 0;
+        }
+      }
+    }
+    CHECK(nans >= 2 * n);  // the NaN rule was exercised, maxima and minima
+  }
+}

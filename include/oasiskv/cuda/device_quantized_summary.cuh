@@ -436,6 +436,47 @@ class device_quantized_minmax_summary {
     }
   }
 
+  //! @brief What `load` copies, per shipped entry `i` (see `stage_load`).
+  struct staged_entries {
+    std::vector<std::uint32_t> words;  //!< code words `[entries][num_kv_heads][head_dim / 2]`
+    std::vector<float> scales;         //!< scales `[entries][num_kv_heads]`
+    std::vector<float> norms;          //!< norms `[entries][num_kv_heads]`
+    std::vector<float> biases;  //!< biases `[entries]`: 0, or `+inf` after a non-finite bound
+    std::vector<std::uint16_t> tokens;  //!< token counts `[entries]`
+  };
+
+  //! @brief The host half of `load`: `bytes` and `tokens` (as `check_load` accepts them)
+  //! quantized by the host `quantized_minmax_summary::load` itself, into a scratch summary of
+  //! one entry per shipped one, and read back in the device's per-entry order (`bound_words`,
+  //! `norm`, `overflowed`). Host-only; needs no device.
+  static staged_entries stage_load(const kv_layout& layout, std::span<const std::byte> bytes,
+                                   std::span<const std::uint32_t> tokens) {
+    const std::size_t n = tokens.size(), heads = layout.num_kv_heads, pairs = layout.head_dim / 2;
+    const std::size_t wire = wire_bytes_of(layout);
+    staged_entries st;
+    if (n == 0) {
+      return st;
+    }
+    quantized_minmax_summary scratch(layout, static_cast<std::uint32_t>(n));
+    st.words.resize(n * heads * pairs);
+    st.scales.resize(n * heads);
+    st.norms.resize(n * heads);
+    st.biases.resize(n);
+    st.tokens.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto b = static_cast<std::uint32_t>(i);
+      scratch.load(b, bytes.subspan(i * wire, wire), tokens[i]);
+      for (std::uint32_t h = 0; h < heads; ++h) {
+        st.scales[i * heads + h] =
+            scratch.bound_words(h, b, st.words.data() + (i * heads + h) * pairs);
+        st.norms[i * heads + h] = scratch.norm(h, b);
+      }
+      st.biases[i] = scratch.overflowed(b) ? INFINITY : 0.0f;
+      st.tokens[i] = static_cast<std::uint16_t>(tokens[i]);
+    }
+    return st;
+  }
+
   //! @brief Sets entries `entries[i]` from f16 bounds computed elsewhere (models the host's
   //! `loadable_summary::load` for a batch): `bytes` is `[entries.size()][wire_bytes()]`, entry
   //! `i`'s shipped bounds as `quantized_minmax_summary::load` takes them (per KV head the
@@ -458,48 +499,34 @@ class device_quantized_minmax_summary {
     if (entries.empty()) {
       return;
     }
-    const std::size_t n = entries.size(), heads = layout_.num_kv_heads, wire = wire_bytes();
-    quantized_minmax_summary scratch(layout_, static_cast<std::uint32_t>(n));
-    // Staged per entry: words [n][heads][pairs], scales and norms [n][heads], bias and tokens [n].
-    std::vector<std::uint32_t> words(n * heads * pairs());
-    std::vector<float> scales(n * heads), norms(n * heads), biases(n);
-    std::vector<std::uint16_t> counts(n);
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto b = static_cast<std::uint32_t>(i);
-      scratch.load(b, bytes.subspan(i * wire, wire), tokens[i]);
-      for (std::uint32_t h = 0; h < heads; ++h) {
-        scales[i * heads + h] = scratch.bound_words(h, b, words.data() + (i * heads + h) * pairs());
-        norms[i * heads + h] = scratch.norm(h, b);
-      }
-      biases[i] = scratch.overflowed(b) ? INFINITY : 0.0f;
-      counts[i] = static_cast<std::uint16_t>(tokens[i]);
-    }
+    const std::size_t n = entries.size(), heads = layout_.num_kv_heads;
+    const staged_entries st = stage_load(layout_, bytes, tokens);
     const char* what = "cuda::device_quantized_minmax_summary::load: copying the entries";
     const std::size_t word_row = pairs() * sizeof(std::uint32_t);
     for (std::size_t i = 0; i < n; ++i) {
       const std::uint32_t e = entries[i];
       detail::check(detail::copy_rows_async(codes_ + std::size_t{e} * pairs(), capacity_ * word_row,
-                                            words.data() + i * heads * pairs(), word_row, word_row,
-                                            heads, cudaMemcpyHostToDevice, stream),
+                                            st.words.data() + i * heads * pairs(), word_row,
+                                            word_row, heads, cudaMemcpyHostToDevice, stream),
                     what);
       detail::check(detail::copy_rows_async(scale_ + e, capacity_ * sizeof(float),
-                                            scales.data() + i * heads, sizeof(float), sizeof(float),
-                                            heads, cudaMemcpyHostToDevice, stream),
+                                            st.scales.data() + i * heads, sizeof(float),
+                                            sizeof(float), heads, cudaMemcpyHostToDevice, stream),
                     what);
       detail::check(detail::copy_rows_async(norm_ + e, capacity_ * sizeof(float),
-                                            norms.data() + i * heads, sizeof(float), sizeof(float),
-                                            heads, cudaMemcpyHostToDevice, stream),
+                                            st.norms.data() + i * heads, sizeof(float),
+                                            sizeof(float), heads, cudaMemcpyHostToDevice, stream),
                     what);
       detail::check(
-          cudaMemcpyAsync(bias_ + e, &biases[i], sizeof(float), cudaMemcpyHostToDevice, stream),
+          cudaMemcpyAsync(bias_ + e, &st.biases[i], sizeof(float), cudaMemcpyHostToDevice, stream),
           what);
-      detail::check(cudaMemcpyAsync(tokens_ + e, &counts[i], sizeof(std::uint16_t),
+      detail::check(cudaMemcpyAsync(tokens_ + e, &st.tokens[i], sizeof(std::uint16_t),
                                     cudaMemcpyHostToDevice, stream),
                     what);
     }
     detail::check(cudaStreamSynchronize(stream), what);
     for (std::size_t i = 0; i < n; ++i) {
-      host_tokens_[entries[i]] = counts[i];
+      host_tokens_[entries[i]] = st.tokens[i];
     }
   }
 

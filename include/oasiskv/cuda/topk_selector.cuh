@@ -293,6 +293,24 @@ class device_minmax_summary {
                                      bytes.size(), tokens, wire_bytes_of(layout));
   }
 
+  //! @brief The host half of `load`: the bounds it copies, `[entries][num_kv_heads][2 (max,
+  //! min)][head_dim]` f16 bits, from `bytes` (whole shipped entries, as `check_load` accepts
+  //! them): the bits as shipped (already the device's per-(head, entry) order), each NaN bound
+  //! made infinite outward (`+inf` for a maximum, `-inf` for a minimum), as the host `load`
+  //! stores them. Host-only; needs no device.
+  static std::vector<std::uint16_t> stage_load(const kv_layout& layout,
+                                               std::span<const std::byte> bytes) {
+    const std::uint32_t d = layout.head_dim;
+    std::vector<std::uint16_t> staged(bytes.size() / sizeof(std::uint16_t));
+    std::memcpy(staged.data(), bytes.data(), staged.size() * sizeof(std::uint16_t));
+    for (std::size_t i = 0; i < staged.size(); ++i) {
+      if ((staged[i] & 0x7fffu) > 0x7c00u) {
+        staged[i] = (i / d) % 2 == 0 ? std::uint16_t{0x7c00u} : std::uint16_t{0xfc00u};
+      }
+    }
+    return staged;
+  }
+
   //! @brief Sets entries `entries[i]` from summaries computed elsewhere (models the host's
   //! `loadable_summary::load` for a batch): `bytes` is `[entries.size()][wire_bytes()]`, entry
   //! `i`'s shipped bounds as `minmax_summary<f16>::load` takes them (per KV head the
@@ -315,15 +333,7 @@ class device_minmax_summary {
       return;
     }
     const std::uint32_t d = layout_.head_dim;
-    // The shipped bounds in the device's per-(head, entry) order already; NaN bounds made
-    // infinite outward as the host's `load` does.
-    std::vector<std::uint16_t> staged(bytes.size() / sizeof(std::uint16_t));
-    std::memcpy(staged.data(), bytes.data(), bytes.size());
-    for (std::size_t i = 0; i < staged.size(); ++i) {
-      if ((staged[i] & 0x7fffu) > 0x7c00u) {
-        staged[i] = (i / d) % 2 == 0 ? std::uint16_t{0x7c00u} : std::uint16_t{0xfc00u};
-      }
-    }
+    const std::vector<std::uint16_t> staged = stage_load(layout_, bytes);
     std::vector<std::uint16_t> counts(entries.size());
     const std::size_t row = 2 * std::size_t{d} * sizeof(f16);
     const char* what = "cuda::device_minmax_summary::load: copying the entries";
