@@ -7,8 +7,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <new>
 #include <span>
 #include <utility>
 #include <vector>
@@ -24,6 +28,80 @@
 #pragma nv_diag_default 1675
 
 namespace oasiskv::cuda {
+
+namespace detail {
+
+//! @brief Throws unless a batch `load` of `entries` (with `bytes` bytes, `[entries.size()][wire]`,
+//! and one token count per entry in `tokens`) may run on a device summary of `layout` and
+//! `capacity`; `who` names the call in the message, which names the offending value. Host-only.
+inline void check_summary_load_batch(const char* who, const kv_layout& layout,
+                                     std::uint32_t capacity, std::span<const std::uint32_t> entries,
+                                     std::size_t bytes, std::span<const std::uint32_t> tokens,
+                                     std::size_t wire) {
+  if (tokens.size() != entries.size()) [[unlikely]] {
+    oasiskv::detail::raise(errc::invalid_argument, who, ": ", entries.size(), " entries but ",
+                           tokens.size(), " token counts");
+  }
+  if (bytes != entries.size() * wire) [[unlikely]] {
+    oasiskv::detail::raise(errc::invalid_argument, who, ": got ", bytes, " bytes for ",
+                           entries.size(), " entries, expected ", entries.size(), " x ", wire,
+                           " = ", entries.size() * wire, " (", layout.num_kv_heads,
+                           " kv heads x 2 x head_dim ", layout.head_dim, " x f16 each)");
+  }
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i] >= capacity) [[unlikely]] {
+      oasiskv::detail::raise(errc::out_of_range, who, ": entry ", entries[i],
+                             " >= capacity = ", capacity);
+    }
+    if (tokens[i] == 0 || tokens[i] > layout.tokens_per_block) [[unlikely]] {
+      oasiskv::detail::raise(errc::out_of_range, who, ": entry ", entries[i], " of ", tokens[i],
+                             " tokens; a block holds 1 to ", layout.tokens_per_block);
+    }
+  }
+}
+
+//! @brief The widest pitch handed to a 2D copy or set: `cudaDevAttrMaxPitch` of current devices
+//! (2^31 - 1 bytes). Arrays with wider rows are copied row by row.
+inline constexpr std::size_t max_copy_pitch = 0x7fffffff;
+
+//! @brief `height` rows of `width` bytes from `src` (rows `spitch` apart) to `dst` (rows `dpitch`
+//! apart) on `stream`: one `cudaMemcpy2DAsync`, or one `cudaMemcpyAsync` per row where a pitch
+//! is beyond `max_copy_pitch`. The first error, if any.
+inline cudaError_t copy_rows_async(void* dst, std::size_t dpitch, const void* src,
+                                   std::size_t spitch, std::size_t width, std::size_t height,
+                                   cudaMemcpyKind kind, cudaStream_t stream) {
+  if (dpitch <= max_copy_pitch && spitch <= max_copy_pitch) {
+    return cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream);
+  }
+  for (std::size_t r = 0; r < height; ++r) {
+    if (const cudaError_t e =
+            cudaMemcpyAsync(static_cast<std::byte*>(dst) + r * dpitch,
+                            static_cast<const std::byte*>(src) + r * spitch, width, kind, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return cudaSuccess;
+}
+
+//! @brief Zeroes `height` rows of `width` bytes at `dst`, rows `pitch` apart, on `stream`
+//! (`cudaMemset2DAsync`, or row by row beyond `max_copy_pitch`). The first error, if any.
+inline cudaError_t clear_rows_async(void* dst, std::size_t pitch, std::size_t width,
+                                    std::size_t height, cudaStream_t stream) {
+  if (pitch <= max_copy_pitch) {
+    return cudaMemset2DAsync(dst, pitch, 0, width, height, stream);
+  }
+  for (std::size_t r = 0; r < height; ++r) {
+    if (const cudaError_t e =
+            cudaMemsetAsync(static_cast<std::byte*>(dst) + r * pitch, 0, width, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return cudaSuccess;
+}
+
+}  // namespace detail
 
 //! @brief `quantized_minmax_summary` in device memory, per entry rather than in the host's
 //! 16-entry tiles: code words `[num_kv_heads][capacity][head_dim / 2]` (`uint32`, bytes 0-3 the
@@ -46,6 +124,10 @@ namespace oasiskv::cuda {
 //! `update` checks the block's capacity before it launches; device-side writes are asynchronous
 //! on the given stream (one CTA per call, looping over the KV heads). Unlike the host summary,
 //! an update past `tokens_per_block` is an error, not a saturation.
+//!
+//! As the host model, it grows (`grow`: every entry kept, on the device) and takes shipped
+//! summaries (`load`: the host wire format, quantized by the host `load` itself), with their
+//! arguments checked on the host by `check_grow` / `check_load`.
 class device_quantized_minmax_summary {
  public:
   //! @brief Allocates `capacity` empty entries for `layout` (synchronous); `errc::invalid_argument`
@@ -219,6 +301,240 @@ class device_quantized_minmax_summary {
     a.clear = true;
     launch_fold(a, stream, "cuda::device_quantized_minmax_summary::reset: launch");
     host_tokens_[e] = 0;
+  }
+
+  //! @brief Throws unless `capacity` may replace `current` in `grow`: `errc::invalid_argument`
+  //! below it (the host `quantized_minmax_summary::grow`'s rule). Host-only; needs no device.
+  static void check_grow(std::uint32_t current, std::uint32_t capacity) {
+    oasiskv::detail::check_summary_grow("cuda::device_quantized_minmax_summary", current, capacity);
+  }
+
+  //! @brief Capacity becomes `capacity` (models the host's `growable_summary::grow`): entries
+  //! `[0, capacity())` keep their codes, scales, norms, bias and token counts (device-to-device
+  //! copies into new allocations), the new entries start empty as a fresh summary's (zero codes,
+  //! scales and norms, bias `-inf`, no tokens). An equal capacity does nothing; a smaller one is
+  //! `errc::invalid_argument`. All or nothing: a failed allocation throws `errc::out_of_memory`
+  //! (another CUDA failure its `oasiskv::error`) with the old buffers, capacity and token counts
+  //! untouched.
+  //!
+  //! Stream ordering: the copies are enqueued on `stream`, after the work enqueued there before
+  //! (an `update` on `stream` is copied with its result); work on other streams that reads or
+  //! writes this summary (updates, `topk_selector::select`) must be finished before the call.
+  //! The call synchronises `stream`, then frees the old buffers: every device pointer accessor
+  //! changes, so a selection or a captured graph holding the old pointers must not run afterwards.
+  void grow(std::uint32_t capacity, cudaStream_t stream = nullptr) {
+    check_grow(capacity_, capacity);
+    if (capacity == capacity_) {
+      return;
+    }
+    const std::size_t heads = layout_.num_kv_heads, old_c = capacity_, new_c = capacity;
+    std::uint32_t* codes = nullptr;
+    float* scale = nullptr;
+    float* norm = nullptr;
+    float* bias = nullptr;
+    std::uint16_t* tokens = nullptr;
+    std::vector<std::uint16_t> host;
+    try {
+      codes = static_cast<std::uint32_t*>(alloc(heads * new_c * pairs() * sizeof(std::uint32_t)));
+      scale = static_cast<float*>(alloc(heads * new_c * sizeof(float)));
+      norm = static_cast<float*>(alloc(heads * new_c * sizeof(float)));
+      bias = static_cast<float*>(alloc(new_c * sizeof(float)));
+      tokens = static_cast<std::uint16_t*>(alloc(new_c * sizeof(std::uint16_t)));
+      try {
+        host.assign(capacity, 0);
+      } catch (const std::bad_alloc&) {
+        oasiskv::detail::raise(
+            errc::out_of_memory,
+            "cuda::device_quantized_minmax_summary::grow: the host token mirror");
+      }
+      std::copy(host_tokens_.begin(), host_tokens_.end(), host.begin());
+      const std::vector<float> empty(new_c - old_c, -INFINITY);
+      const char* what = "cuda::device_quantized_minmax_summary::grow: copying the entries";
+      // [heads][capacity][width] arrays: each head's old entries to the front of its new row,
+      // the rest zero.
+      auto regrow = [&](void* dst, const void* src, std::size_t width) {
+        const std::size_t old_w = old_c * width, new_w = new_c * width;
+        detail::check(detail::copy_rows_async(dst, new_w, src, old_w, old_w, heads,
+                                              cudaMemcpyDeviceToDevice, stream),
+                      what);
+        detail::check(detail::clear_rows_async(static_cast<std::byte*>(dst) + old_w, new_w,
+                                               new_w - old_w, heads, stream),
+                      what);
+      };
+      regrow(codes, codes_, pairs() * sizeof(std::uint32_t));
+      regrow(scale, scale_, sizeof(float));
+      regrow(norm, norm_, sizeof(float));
+      detail::check(
+          cudaMemcpyAsync(bias, bias_, old_c * sizeof(float), cudaMemcpyDeviceToDevice, stream),
+          what);
+      detail::check(cudaMemcpyAsync(bias + old_c, empty.data(), empty.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream),
+                    what);
+      detail::check(cudaMemcpyAsync(tokens, tokens_, old_c * sizeof(std::uint16_t),
+                                    cudaMemcpyDeviceToDevice, stream),
+                    what);
+      detail::check(
+          cudaMemsetAsync(tokens + old_c, 0, (new_c - old_c) * sizeof(std::uint16_t), stream),
+          what);
+      detail::check(cudaStreamSynchronize(stream), what);  // also: `empty` may go
+    } catch (...) {
+      (void)cudaFree(codes);
+      (void)cudaFree(scale);
+      (void)cudaFree(norm);
+      (void)cudaFree(bias);
+      (void)cudaFree(tokens);
+      throw;
+    }
+    release();
+    codes_ = codes;
+    scale_ = scale;
+    norm_ = norm;
+    bias_ = bias;
+    tokens_ = tokens;
+    host_tokens_ = std::move(host);
+    capacity_ = capacity;
+  }
+
+  //! @brief Bytes of one shipped entry, as the host `quantized_minmax_summary::wire_bytes`:
+  //! `[num_kv_heads][2 (max, min)][head_dim]` f16.
+  std::size_t wire_bytes() const noexcept { return wire_bytes_of(layout_); }
+  //! @brief `wire_bytes()` of a summary with layout `l` (host-only).
+  static std::size_t wire_bytes_of(const kv_layout& l) noexcept {
+    return std::size_t{l.num_kv_heads} * 2 * l.head_dim * sizeof(f16);
+  }
+
+  //! @brief Throws unless `load(entries, bytes, tokens)` may run on a summary of `layout` and
+  //! `capacity`, naming the offending value: `errc::invalid_argument` when `tokens` does not hold
+  //! one count per entry, `bytes` is not `entries.size() * wire_bytes()` long, or a finite
+  //! maximum is below its finite minimum (naming the entry, KV head and dimension, as the host
+  //! `load` refuses it); `errc::out_of_range` for an entry at or beyond `capacity` or a token count
+  //! outside `[1, tokens_per_block]`. Host-only; needs no device.
+  static void check_load(const kv_layout& layout, std::uint32_t capacity,
+                         std::span<const std::uint32_t> entries, std::span<const std::byte> bytes,
+                         std::span<const std::uint32_t> tokens) {
+    const std::size_t wire = wire_bytes_of(layout);
+    detail::check_summary_load_batch("cuda::device_quantized_minmax_summary::load", layout,
+                                     capacity, entries, bytes.size(), tokens, wire);
+    const std::uint32_t d = layout.head_dim;
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      for (std::uint32_t h = 0; h < layout.num_kv_heads; ++h) {
+        for (std::uint32_t x = 0; x < d; ++x) {
+          f16 w[2];
+          for (std::uint32_t which = 0; which < 2; ++which) {
+            std::memcpy(&w[which],
+                        bytes.data() + i * wire + ((std::size_t{h} * 2 + which) * d + x) * 2, 2);
+          }
+          const float hi = w[0].to_float(), lo = w[1].to_float();
+          if (std::isfinite(hi) && std::isfinite(lo) && hi < lo) [[unlikely]] {
+            oasiskv::detail::raise(errc::invalid_argument,
+                                   "cuda::device_quantized_minmax_summary::load: entry ",
+                                   entries[i], ", kv head ", h, ", dimension ", x, ": maximum ", hi,
+                                   " is below minimum ", lo);
+          }
+        }
+      }
+    }
+  }
+
+  //! @brief What `load` copies, per shipped entry `i` (see `stage_load`).
+  struct staged_entries {
+    std::vector<std::uint32_t> words;  //!< code words `[entries][num_kv_heads][head_dim / 2]`
+    std::vector<float> scales;         //!< scales `[entries][num_kv_heads]`
+    std::vector<float> norms;          //!< norms `[entries][num_kv_heads]`
+    std::vector<float> biases;  //!< biases `[entries]`: 0, or `+inf` after a non-finite bound
+    std::vector<std::uint16_t> tokens;  //!< token counts `[entries]`
+  };
+
+  //! @brief The host half of `load`: `bytes` and `tokens` (as `check_load` accepts them)
+  //! quantized by the host `quantized_minmax_summary::load` itself, into a scratch summary of
+  //! one entry per shipped one, and read back in the device's per-entry order (`bound_words`,
+  //! `norm`, `overflowed`). Host-only; needs no device.
+  static staged_entries stage_load(const kv_layout& layout, std::span<const std::byte> bytes,
+                                   std::span<const std::uint32_t> tokens) {
+    const std::size_t n = tokens.size(), heads = layout.num_kv_heads, pairs = layout.head_dim / 2;
+    const std::size_t wire = wire_bytes_of(layout);
+    staged_entries st;
+    if (n == 0) {
+      return st;
+    }
+    quantized_minmax_summary scratch(layout, static_cast<std::uint32_t>(n));
+    st.words.resize(n * heads * pairs);
+    st.scales.resize(n * heads);
+    st.norms.resize(n * heads);
+    st.biases.resize(n);
+    st.tokens.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto b = static_cast<std::uint32_t>(i);
+      scratch.load(b, bytes.subspan(i * wire, wire), tokens[i]);
+      for (std::uint32_t h = 0; h < heads; ++h) {
+        st.scales[i * heads + h] =
+            scratch.bound_words(h, b, st.words.data() + (i * heads + h) * pairs);
+        st.norms[i * heads + h] = scratch.norm(h, b);
+      }
+      st.biases[i] = scratch.overflowed(b) ? INFINITY : 0.0f;
+      st.tokens[i] = static_cast<std::uint16_t>(tokens[i]);
+    }
+    return st;
+  }
+
+  //! @brief Sets entries `entries[i]` from f16 bounds computed elsewhere (models the host's
+  //! `loadable_summary::load` for a batch): `bytes` is `[entries.size()][wire_bytes()]`, entry
+  //! `i`'s shipped bounds as `quantized_minmax_summary::load` takes them (per KV head the
+  //! elementwise maximum then minimum key as f16: `disagg::summarize_block`), and `tokens[i]` its
+  //! block's token count. The bounds are quantized on the host by the host summary's own `load`
+  //! (into a scratch summary), so each entry then holds the codes, scales, norms, bias (`+inf`
+  //! after a non-finite bound) and token count the host summary holds after
+  //! `load(entries[i], bytes_i, tokens[i])`: `upload` of that host summary gives the same device
+  //! bytes. Later `update`s fold into the entry. A repeated entry takes its last bytes. Everything
+  //! is checked before any copy (`check_load`), and the summary is then unchanged.
+  //!
+  //! Stream ordering: the host-to-device copies are enqueued on `stream` after the work
+  //! enqueued there before (from a host staging buffer); work on other streams that reads or
+  //! writes these entries must be finished before the call. The call synchronises `stream` before
+  //! returning. A CUDA failure during the copies throws and leaves the listed entries unspecified
+  //! (reset or load them again).
+  void load(std::span<const std::uint32_t> entries, std::span<const std::byte> bytes,
+            std::span<const std::uint32_t> tokens, cudaStream_t stream = nullptr) {
+    check_load(layout_, capacity_, entries, bytes, tokens);
+    if (entries.empty()) {
+      return;
+    }
+    const std::size_t n = entries.size(), heads = layout_.num_kv_heads;
+    const staged_entries st = stage_load(layout_, bytes, tokens);
+    const char* what = "cuda::device_quantized_minmax_summary::load: copying the entries";
+    const std::size_t word_row = pairs() * sizeof(std::uint32_t);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t e = entries[i];
+      detail::check(detail::copy_rows_async(codes_ + std::size_t{e} * pairs(), capacity_ * word_row,
+                                            st.words.data() + i * heads * pairs(), word_row,
+                                            word_row, heads, cudaMemcpyHostToDevice, stream),
+                    what);
+      detail::check(detail::copy_rows_async(scale_ + e, capacity_ * sizeof(float),
+                                            st.scales.data() + i * heads, sizeof(float),
+                                            sizeof(float), heads, cudaMemcpyHostToDevice, stream),
+                    what);
+      detail::check(detail::copy_rows_async(norm_ + e, capacity_ * sizeof(float),
+                                            st.norms.data() + i * heads, sizeof(float),
+                                            sizeof(float), heads, cudaMemcpyHostToDevice, stream),
+                    what);
+      detail::check(
+          cudaMemcpyAsync(bias_ + e, &st.biases[i], sizeof(float), cudaMemcpyHostToDevice, stream),
+          what);
+      detail::check(cudaMemcpyAsync(tokens_ + e, &st.tokens[i], sizeof(std::uint16_t),
+                                    cudaMemcpyHostToDevice, stream),
+                    what);
+    }
+    detail::check(cudaStreamSynchronize(stream), what);
+    for (std::size_t i = 0; i < n; ++i) {
+      host_tokens_[entries[i]] = st.tokens[i];
+    }
+  }
+
+  //! @brief `load` of one entry, the host `loadable_summary::load(b, bytes, tokens)` shape.
+  void load(std::uint32_t b, std::span<const std::byte> bytes, std::uint32_t tokens,
+            cudaStream_t stream = nullptr) {
+    load(std::span<const std::uint32_t>(&b, 1), bytes, std::span<const std::uint32_t>(&tokens, 1),
+         stream);
   }
 
  private:

@@ -12,8 +12,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <span>
 #include <utility>
 #include <vector>
@@ -49,6 +51,10 @@ namespace oasiskv::cuda {
 //! `update` checks the block's capacity before it launches; the device-side writes are
 //! asynchronous on the given stream and ordered with the selection when both use one stream.
 //! Unlike the host summary, an update past `tokens_per_block` is an error, not a saturation.
+//!
+//! As the host model, it grows (`grow`: every entry kept, on the device) and takes shipped
+//! summaries (`load`: the host wire format, the host `load`'s bits), with their arguments
+//! checked on the host by `check_grow` / `check_load`.
 class device_minmax_summary {
  public:
   device_minmax_summary(const kv_layout& layout, std::uint32_t capacity)
@@ -194,6 +200,166 @@ class device_minmax_summary {
     a.clear = true;
     launch_fold(a, stream, "reset");
     host_tokens_[e] = 0;
+  }
+
+  //! @brief Throws unless `capacity` may replace `current` in `grow`: `errc::invalid_argument`
+  //! below it (the host `minmax_summary::grow`'s rule). Host-only; needs no device.
+  static void check_grow(std::uint32_t current, std::uint32_t capacity) {
+    oasiskv::detail::check_summary_grow("cuda::device_minmax_summary", current, capacity);
+  }
+
+  //! @brief Capacity becomes `capacity` (models the host's `growable_summary::grow`): entries
+  //! `[0, capacity())` keep their bounds and token counts (device-to-device copies into new
+  //! allocations), the new entries start empty as a fresh summary's (zero bounds, no tokens). An
+  //! equal capacity does nothing; a smaller one is `errc::invalid_argument`. All or nothing: a
+  //! failed allocation throws `errc::out_of_memory` (another CUDA failure its `oasiskv::error`)
+  //! with the old buffers, capacity and token counts untouched.
+  //!
+  //! Stream ordering: the copies are enqueued on `stream`, after the work enqueued there before
+  //! (an `update` on `stream` is copied with its result); work on other streams that reads or
+  //! writes this summary (updates, `topk_selector::select`) must be finished before the call.
+  //! The call synchronises `stream`, then frees the old buffers: `bounds()` and `tokens()` change,
+  //! so a selection or a captured graph holding the old pointers must not run afterwards.
+  void grow(std::uint32_t capacity, cudaStream_t stream = nullptr) {
+    check_grow(capacity_, capacity);
+    if (capacity == capacity_) {
+      return;
+    }
+    const std::size_t row = 2 * std::size_t{layout_.head_dim} * sizeof(f16);  // one entry, head
+    f16* b = nullptr;
+    std::uint16_t* t = nullptr;
+    std::vector<std::uint16_t> host;
+    try {
+      void* p = nullptr;
+      detail::check(cudaMalloc(&p, std::size_t{layout_.num_kv_heads} * capacity * row),
+                    "cuda::device_minmax_summary::grow: cudaMalloc", errc::out_of_memory);
+      b = static_cast<f16*>(p);
+      detail::check(cudaMalloc(&p, std::size_t{capacity} * sizeof(std::uint16_t)),
+                    "cuda::device_minmax_summary::grow: cudaMalloc", errc::out_of_memory);
+      t = static_cast<std::uint16_t*>(p);
+      try {
+        host.assign(capacity, 0);
+      } catch (const std::bad_alloc&) {
+        oasiskv::detail::raise(errc::out_of_memory,
+                               "cuda::device_minmax_summary::grow: the host token mirror");
+      }
+      std::copy(host_tokens_.begin(), host_tokens_.end(), host.begin());
+      const std::size_t old_w = capacity_ * row, new_w = capacity * row;
+      const char* what = "cuda::device_minmax_summary::grow: copying the entries";
+      detail::check(detail::copy_rows_async(b, new_w, bounds_, old_w, old_w, layout_.num_kv_heads,
+                                            cudaMemcpyDeviceToDevice, stream),
+                    what);
+      detail::check(detail::clear_rows_async(reinterpret_cast<std::byte*>(b) + old_w, new_w,
+                                             new_w - old_w, layout_.num_kv_heads, stream),
+                    what);
+      detail::check(cudaMemcpyAsync(t, tokens_, std::size_t{capacity_} * sizeof(std::uint16_t),
+                                    cudaMemcpyDeviceToDevice, stream),
+                    what);
+      detail::check(
+          cudaMemsetAsync(t + capacity_, 0,
+                          std::size_t{capacity - capacity_} * sizeof(std::uint16_t), stream),
+          what);
+      detail::check(cudaStreamSynchronize(stream), what);
+    } catch (...) {
+      (void)cudaFree(b);
+      (void)cudaFree(t);
+      throw;
+    }
+    (void)cudaFree(bounds_);
+    (void)cudaFree(tokens_);
+    bounds_ = b;
+    tokens_ = t;
+    host_tokens_ = std::move(host);
+    capacity_ = capacity;
+  }
+
+  //! @brief Bytes of one shipped entry, as the host `minmax_summary::wire_bytes`:
+  //! `[num_kv_heads][2 (max, min)][head_dim]` f16.
+  std::size_t wire_bytes() const noexcept { return wire_bytes_of(layout_); }
+  //! @brief `wire_bytes()` of a summary with layout `l` (host-only).
+  static std::size_t wire_bytes_of(const kv_layout& l) noexcept {
+    return std::size_t{l.num_kv_heads} * 2 * l.head_dim * sizeof(f16);
+  }
+
+  //! @brief Throws unless `load(entries, bytes, tokens)` may run on a summary of `layout` and
+  //! `capacity`, naming the offending value: `errc::invalid_argument` when `tokens` does not hold
+  //! one count per entry or `bytes` is not `entries.size() * wire_bytes()` long,
+  //! `errc::out_of_range` for an entry at or beyond `capacity` or a token count outside
+  //! `[1, tokens_per_block]` (the host `load`'s range). Host-only; needs no device.
+  static void check_load(const kv_layout& layout, std::uint32_t capacity,
+                         std::span<const std::uint32_t> entries, std::span<const std::byte> bytes,
+                         std::span<const std::uint32_t> tokens) {
+    detail::check_summary_load_batch("cuda::device_minmax_summary::load", layout, capacity, entries,
+                                     bytes.size(), tokens, wire_bytes_of(layout));
+  }
+
+  //! @brief The host half of `load`: the bounds it copies, `[entries][num_kv_heads][2 (max,
+  //! min)][head_dim]` f16 bits, from `bytes` (whole shipped entries, as `check_load` accepts
+  //! them): the bits as shipped (already the device's per-(head, entry) order), each NaN bound
+  //! made infinite outward (`+inf` for a maximum, `-inf` for a minimum), as the host `load`
+  //! stores them. Host-only; needs no device.
+  static std::vector<std::uint16_t> stage_load(const kv_layout& layout,
+                                               std::span<const std::byte> bytes) {
+    const std::uint32_t d = layout.head_dim;
+    std::vector<std::uint16_t> staged(bytes.size() / sizeof(std::uint16_t));
+    std::memcpy(staged.data(), bytes.data(), staged.size() * sizeof(std::uint16_t));
+    for (std::size_t i = 0; i < staged.size(); ++i) {
+      if ((staged[i] & 0x7fffu) > 0x7c00u) {
+        staged[i] = (i / d) % 2 == 0 ? std::uint16_t{0x7c00u} : std::uint16_t{0xfc00u};
+      }
+    }
+    return staged;
+  }
+
+  //! @brief Sets entries `entries[i]` from summaries computed elsewhere (models the host's
+  //! `loadable_summary::load` for a batch): `bytes` is `[entries.size()][wire_bytes()]`, entry
+  //! `i`'s shipped bounds as `minmax_summary<f16>::load` takes them (per KV head the
+  //! elementwise maximum then minimum key as f16, little-endian: `disagg::summarize_block`), and
+  //! `tokens[i]` its block's token count. Each entry then holds what the host summary holds after
+  //! `load(entries[i], bytes_i, tokens[i])` (the bits as shipped, a NaN bound made infinite
+  //! outward), so `upload` of that host summary gives the same device bytes; later `update`s fold
+  //! into it. A repeated entry takes its last bytes. Everything is checked before any copy
+  //! (`check_load`), and the summary is then unchanged.
+  //!
+  //! Stream ordering: the host-to-device copies are enqueued on `stream` after the work
+  //! enqueued there before (from a host staging buffer); work on other streams that reads or
+  //! writes these entries must be finished before the call. The call synchronises `stream` before
+  //! returning. A CUDA failure during the copies throws and leaves the listed entries unspecified
+  //! (reset or load them again).
+  void load(std::span<const std::uint32_t> entries, std::span<const std::byte> bytes,
+            std::span<const std::uint32_t> tokens, cudaStream_t stream = nullptr) {
+    check_load(layout_, capacity_, entries, bytes, tokens);
+    if (entries.empty()) {
+      return;
+    }
+    const std::uint32_t d = layout_.head_dim;
+    const std::vector<std::uint16_t> staged = stage_load(layout_, bytes);
+    std::vector<std::uint16_t> counts(entries.size());
+    const std::size_t row = 2 * std::size_t{d} * sizeof(f16);
+    const char* what = "cuda::device_minmax_summary::load: copying the entries";
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const std::uint32_t e = entries[i];
+      counts[i] = static_cast<std::uint16_t>(tokens[i]);
+      detail::check(
+          detail::copy_rows_async(bounds_ + std::size_t{e} * 2 * d, capacity_ * row,
+                                  staged.data() + i * layout_.num_kv_heads * 2 * d, row, row,
+                                  layout_.num_kv_heads, cudaMemcpyHostToDevice, stream),
+          what);
+      detail::check(cudaMemcpyAsync(tokens_ + e, &counts[i], sizeof(std::uint16_t),
+                                    cudaMemcpyHostToDevice, stream),
+                    what);
+    }
+    detail::check(cudaStreamSynchronize(stream), what);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      host_tokens_[entries[i]] = counts[i];
+    }
+  }
+
+  //! @brief `load` of one entry, the host `loadable_summary::load(b, bytes, tokens)` shape.
+  void load(std::uint32_t b, std::span<const std::byte> bytes, std::uint32_t tokens,
+            cudaStream_t stream = nullptr) {
+    load(std::span<const std::uint32_t>(&b, 1), bytes, std::span<const std::uint32_t>(&tokens, 1),
+         stream);
   }
 
  private:
