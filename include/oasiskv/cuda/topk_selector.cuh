@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/runtime.cuh"
