@@ -11,6 +11,11 @@
 //              prefetcher with fast memory for twice the budget (prefetch overlapped with the
 //              attention of earlier layers) / the all_resident scheduler with fast memory for
 //              the whole context (every block staged as it fills)          target <= 1.05
+//   step:      cuda::device_decode_step (staging copy, GPU selection, residency, gather of the
+//              misses, decode) replayed from a CUDA graph, 32 sequences at 32k, budget 2048:
+//              steady (the selection unchanged: the grown last blocks copied) and cold (every
+//              selected block copied from pinned host memory) / sparse_decode alone over the
+//              same number of blocks                                       (no target: a figure)
 // A plain harness timed with CUDA events (median of repeats after warm-up), printing JSON: the
 // GPU machines have no Google Benchmark, and events time the device, not the host.
 // Usage: cuda_attention_decode_bench [output.json]. Exits 77 without a device.
@@ -460,6 +465,80 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(dids));
     BENCH_CHECK(cudaFree(refs));
     BENCH_CHECK(cudaFree(offsets));
+  }
+
+  // 2c. The capturable step (device_decode_step) replayed, against its decode alone.
+  {
+    const std::uint32_t seqs = 32, blocks = 2048, budget = 128;
+    decode_setup alone(l, seqs, blocks, budget, 1, rng);
+    oc::sparse_decode_options o;
+    o.stream = s;
+    o.asynchronous = true;
+    o.check_pointers = false;
+    oc::sparse_decode k(o);
+    k.decode(alone.p);
+    const double decode_ms = median_ms(s, [&] { k.decode(alone.p); });
+    // The whole context in pinned host memory, its summaries on the device.
+    const std::size_t cap_slots = std::size_t{seqs} * blocks;
+    void* cap = nullptr;
+    BENCH_CHECK(cudaHostAlloc(&cap, cap_slots * l.block_bytes(), cudaHostAllocDefault));
+    fill_random(cap, cap_slots * l.block_bytes(), 11);  // through UVA
+    oc::device_minmax_summary sum(l, static_cast<std::uint32_t>(cap_slots));
+    fill_random(const_cast<oasiskv::f16*>(sum.bounds()),
+                std::size_t{l.num_kv_heads} * cap_slots * 2 * l.head_dim * 2, 13);
+    std::vector<std::uint16_t> full(cap_slots, static_cast<std::uint16_t>(l.tokens_per_block));
+    BENCH_CHECK(cudaMemcpy(const_cast<std::uint16_t*>(sum.tokens()), full.data(), cap_slots * 2,
+                           cudaMemcpyHostToDevice));
+    std::byte* fast = device_alloc<std::byte>(std::size_t{seqs} * budget * l.block_bytes());
+    oc::device_decode_step_options so;
+    so.max_seqs = seqs;
+    so.max_blocks = blocks;
+    so.selection = {budget, 1, 1};
+    so.fast = {fast, l.block_bytes(), seqs * budget, l};
+    so.capacity = {static_cast<std::byte*>(cap), l.block_bytes(),
+                   static_cast<std::uint32_t>(cap_slots), l};
+    oc::device_decode_step step(sum, so);
+    for (std::uint32_t q = 0; q < seqs; ++q) {
+      step.seq_lens()[q] = blocks * l.tokens_per_block;
+      for (std::uint32_t i = 0; i < blocks; ++i) {
+        step.summary_ids(q)[i] = q * blocks + i;
+        step.capacity_slots(q)[i] = q * blocks + i;
+      }
+    }
+    const std::size_t rows = std::size_t{seqs} * l.num_q_heads * l.head_dim;
+    std::vector<float> hq(rows);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (float& x : hq) {
+      x = u(rng);
+    }
+    float* dq = device_copy(hq);
+    float* dout = device_alloc<float>(rows);
+    oc::device_decode_step_io io;
+    io.q = dq;
+    io.lookahead = dq;
+    io.out = dout;
+    io.num_seqs = seqs;
+    step.capture(io, s);
+    step.replay(s);  // the first replay stages every selected block
+    step.check_status(s);
+    const double steady_ms = median_ms(s, [&] { step.replay(s); });
+    const double cold_ms = median_ms(s, [&] {
+      step.invalidate(s);
+      step.replay(s);
+    });
+    step.check_status(s);
+    const double selected = double(seqs) * budget * static_cast<double>(l.block_bytes());
+    record("device_step", num("num_seqs", seqs) + ", " + num("context", 32768) + ", " +
+                              num("budget_tokens", 2048) + ", " + num("decode_ms", decode_ms) +
+                              ", " + num("steady_ms", steady_ms) + ", " +
+                              num("steady_over_decode", steady_ms / decode_ms) + ", " +
+                              num("cold_ms", cold_ms) + ", " +
+                              num("cold_over_decode", cold_ms / decode_ms) + ", " +
+                              num("cold_h2d_GBps", selected / (cold_ms * 1e-3) / 1e9));
+    BENCH_CHECK(cudaFree(dq));
+    BENCH_CHECK(cudaFree(dout));
+    BENCH_CHECK(cudaFree(fast));
+    BENCH_CHECK(cudaFreeHost(cap));
   }
 
   // 2b. The facade's step, lookahead prefetch overlapped, against the same step all-resident.
