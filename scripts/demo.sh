@@ -107,9 +107,9 @@ cmake --build "$build_dir" --target mini_decoder -j "$cores"
 bin=$build_dir/apps/mini_decoder/mini_decoder
 [ -x "$bin" ] || die "$bin was not built (is the build tree configured with apps on?)"
 
-# The document: $source_doc, a fixed copy of the architecture, predictor and
-# extension pages (26,000 characters, ~7.8k tokens), cut to --doc-chars, with one fact stated
-# once, at a paragraph break near the middle, then the question about it. A fixed copy, not the
+# The document: $source_doc, a fixed copy of the architecture, predictor and extension pages
+# (26,000 characters, ~7.8k tokens), cut to --doc-chars, with one fact stated once, at a
+# paragraph break near the middle, then the question about it. A fixed copy, not the
 # docs as they are now: the docs change with the code, and whether a 135M model finds one sentence
 # in ~8k tokens depends on the text around it (on later versions of the pages dense attention
 # missed it, and the demo could tell nothing). Prose rather than headers and tables: in a document
