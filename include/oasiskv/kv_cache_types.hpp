@@ -49,6 +49,17 @@ struct cache_stats {
   std::uint64_t failed_transfers = 0;
   std::size_t resident_blocks = 0;  //!< staged or in flight now
 
+  //! @brief These counts with a scheduler's transfer totals and residency (`scheduler_stats`).
+  template <class SchedulerStats>
+  cache_stats& add_transfers(const SchedulerStats& ss, std::size_t resident) noexcept {
+    bytes_prefetched = ss.bytes_prefetched;
+    bytes_evicted = ss.bytes_evicted;
+    blocks_evicted = ss.blocks_evicted;
+    failed_transfers = ss.failed_transfers;
+    resident_blocks = resident;
+    return *this;
+  }
+
   double hit_rate() const noexcept {
     const double total = static_cast<double>(step.hits) + step.misses;
     return total == 0 ? 1.0 : step.hits / total;

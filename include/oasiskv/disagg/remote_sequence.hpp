@@ -16,17 +16,18 @@
 #include <utility>
 #include <vector>
 
+#include "oasiskv/cache/admission.hpp"
 #include "oasiskv/core/ids.hpp"
+#include "oasiskv/core/kept_window.hpp"
 #include "oasiskv/disagg/ucx_remote_tier.hpp"
 #include "oasiskv/disagg/wire_summary.hpp"
 #include "oasiskv/tier/host_tier.hpp"
 
 namespace oasiskv::disagg {
 
-enum class admission_mode : std::uint8_t {
-  full,       //!< dense baseline: every block copied at admission
-  selective,  //!< summaries + sinks + recent at admission; the rest on demand
-};
+//! @brief `full` (dense baseline): every block copied at admission; `selective`: the
+//! summaries, the sinks and the recent window at admission, the rest on demand.
+using oasiskv::admission_mode;
 
 struct admission_options {
   admission_mode mode = admission_mode::selective;
@@ -61,11 +62,12 @@ class remote_sequence {
     // The previous step's blocks are unpinned before the next selection is fetched, so the
     // pool needs the budget, the always-kept blocks, and some slack that keeps recently
     // evicted blocks for reuse (fewer refetches).
-    const std::uint32_t slack = budget_blocks_ * options_.slack_percent / 100;
-    per_layer_ = selective
-                     ? std::min(remote_blocks_, budget_blocks_ + slack + options_.sink_blocks +
-                                                    options_.recent_blocks)
-                     : remote_blocks_;
+    per_layer_ =
+        selective ? static_cast<std::uint32_t>(cache::admission::with_slack(
+                                                   layout_, budget_blocks_, options_.slack_percent,
+                                                   options_.sink_blocks, options_.recent_blocks, 0)
+                                                   .staged_blocks(remote_blocks_))
+                  : remote_blocks_;
     const std::uint32_t layers = layout_.num_layers;
     pool_.emplace(layout_, std::max<std::uint32_t>(1, layers * (per_layer_ + tail_blocks)));
     tail_per_layer_ = tail_blocks;
@@ -133,9 +135,8 @@ class remote_sequence {
       std::iota(out.begin(), out.end(), 0u);
       return;
     }
-    const std::uint32_t sinks = std::min(options_.sink_blocks, n);
-    const std::uint32_t recent_from = n - std::min(options_.recent_blocks, n - sinks);
-    const std::uint32_t keep = sinks + (n - recent_from);
+    const block_window w = kept_window(n, options_);
+    const std::uint32_t sinks = w.sinks, recent_from = w.recent_from, keep = w.kept();
     const std::uint32_t picks = budget_blocks_ > keep ? budget_blocks_ - keep : 0;
     const std::size_t sb = opened_.summary_bytes;
     scores_.resize(recent_from - sinks);
@@ -346,22 +347,9 @@ class remote_sequence {
     std::optional<ucx_engine::ticket> tail_ticket;
     try {
       for (std::uint32_t l = 0; l < layers; ++l) {
-        sel.clear();
-        if (options_.mode == admission_mode::full) {
-          for (std::uint32_t b = 0; b < remote_blocks_; ++b) {
-            sel.push_back(b);
-          }
-        } else {
-          for (std::uint32_t b = 0; b < std::min(options_.sink_blocks, remote_blocks_); ++b) {
-            sel.push_back(b);
-          }
-          for (std::uint32_t b = remote_blocks_ - std::min(options_.recent_blocks, remote_blocks_);
-               b < remote_blocks_; ++b) {
-            if (sel.empty() || b > sel.back()) {
-              sel.push_back(b);
-            }
-          }
-        }
+        sel.clear();  // the partial last block is not remote: it goes to the tail below
+        cache::admission::initial_blocks(kept_window(remote_blocks_, options_), remote_blocks_,
+                                         options_.mode, sel);
         prefetch(l, sel);
       }
       if (prompt_tokens_ % layout_.tokens_per_block != 0) {

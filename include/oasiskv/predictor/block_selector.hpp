@@ -14,6 +14,7 @@
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/isa.hpp"
+#include "oasiskv/core/kept_window.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/predictor/select_kernels.hpp"
 #include "oasiskv/summary/cpu/simd_math.hpp"
@@ -59,9 +60,9 @@ class block_selector {
       }
       return;
     }
-    const std::uint32_t sinks = std::min(sp.sink_blocks, n);
-    const std::uint32_t recent = std::min(std::max(sp.recent_blocks, 1u), n - sinks);
-    const std::uint32_t end = n - recent;  // candidates are [sinks, end)
+    const block_window w = kept_window(n, sp);
+    const std::uint32_t sinks = w.sinks, recent = w.recent();
+    const std::uint32_t end = w.recent_from;  // candidates are [sinks, end)
     for (std::uint32_t i = 0; i < sinks; ++i) {
       out.push_back(i);
     }
@@ -93,10 +94,10 @@ class block_selector {
                        std::vector<std::uint32_t>& out, float logit_scale) {
     const std::uint32_t n = num_blocks;
     const std::uint32_t budget = sp.budget_blocks;
-    const std::uint32_t sinks = std::min(sp.sink_blocks, n);
-    const std::uint32_t recent = std::min(std::max(sp.recent_blocks, 1u), n - sinks);
-    const std::uint32_t end = n - recent;  // candidates are [sinks, end)
-    const std::uint32_t kept = sinks + recent;
+    const block_window w = kept_window(n, sp);
+    const std::uint32_t sinks = w.sinks;
+    const std::uint32_t end = w.recent_from;  // candidates are [sinks, end)
+    const std::uint32_t kept = w.kept();
     const std::uint64_t allowed =
         std::min<std::uint64_t>(sp.block_cap(), std::uint64_t{budget} + credit_);
     const std::uint32_t room =
@@ -198,7 +199,7 @@ inline void check_prediction_basics(const kv_layout& layout, std::uint32_t seq_l
   if (seq_len == 0) [[unlikely]] {
     raise(errc::invalid_argument, "prediction_input.seq_len is 0: nothing to select from");
   }
-  const std::uint64_t kept = std::uint64_t{sp.sink_blocks} + std::max(sp.recent_blocks, 1u);
+  const std::uint64_t kept = min_budget_blocks(sp.sink_blocks, sp.recent_blocks);
   if (sp.budget_blocks < kept) [[unlikely]] {
     raise(errc::invalid_argument, "selection_params.budget_blocks = ", sp.budget_blocks,
           " is below sink_blocks = ", sp.sink_blocks, " + recent_blocks = ", sp.recent_blocks,

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "oasiskv/core/kept_window.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/predictor/aggregation.hpp"
 #include "oasiskv/predictor/block_selector.hpp"
@@ -29,7 +30,7 @@ class basic_recency_predictor {
     detail::check_prediction_basics(in.layout, in.seq_len, sp);
     const std::uint32_t blocks = in.layout.blocks_for(in.seq_len);
     const std::uint32_t tables = Granularity::per_kv_head ? in.layout.num_kv_heads : 1;
-    const std::uint32_t sinks = std::min(sp.sink_blocks, blocks);
+    const std::uint32_t sinks = kept_window(blocks, sp).sinks;
     const std::uint32_t total = std::min(sp.budget_blocks, blocks);
     out.tables = tables;
     out.blocks.clear();

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// detail::summary_entry_store: which summary entry each capacity slot in use has, checked against
+// cache::summary_entry_store: which summary entry each capacity slot in use has, checked against
 // a model of the slots held, the runs of entries a layer's blocks get, a failed growth, and the
 // store's own audit.
 #include <doctest/doctest.h>
@@ -14,7 +14,7 @@
 #include <span>
 #include <vector>
 
-#include "oasiskv/detail/summary_entry_store.hpp"
+#include "oasiskv/cache/summary_entry_store.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "support/expect_error.hpp"
 
@@ -55,10 +55,10 @@ struct recording_summary {
 using compact_summary = recording_summary<true>;
 using fixed_summary = recording_summary<false>;
 
-static_assert(detail::summary_entry_store<compact_summary>::compact);
-static_assert(!detail::summary_entry_store<fixed_summary>::compact);
-static_assert(detail::summary_entry_store<recording_summary<true, 8>>::run == 8);
-static_assert(detail::summary_entry_store<minmax_summary<>>::compact);
+static_assert(cache::summary_entry_store<compact_summary>::compact);
+static_assert(!cache::summary_entry_store<fixed_summary>::compact);
+static_assert(cache::summary_entry_store<recording_summary<true, 8>>::run == 8);
+static_assert(cache::summary_entry_store<minmax_summary<>>::compact);
 
 // The store's invariants against the model's set of held slots: each held slot has its own entry
 // within the store, no free slot has one, and the audit agrees.
@@ -83,7 +83,7 @@ void check_against(const Store& store, std::uint32_t num_slots, const std::set<s
 
 TEST_CASE("summary_entry_store: a compact store matches a model over random binds and unbinds") {
   constexpr std::uint32_t num_slots = 300;
-  detail::summary_entry_store<compact_summary> store(layout, num_slots);
+  cache::summary_entry_store<compact_summary> store(layout, num_slots);
   CHECK(store.summaries().capacity() == 64);  // starts small
   std::mt19937 rng(7);
   std::set<slot_id> held;
@@ -131,7 +131,7 @@ TEST_CASE("summary_entry_store: a layer's blocks fill whole tiles while layers i
   // run consecutively inside a tile and start on a tile boundary, so that scoring one layer
   // reads ceil(blocks / 16) tiles rather than one tile per block.
   constexpr std::uint32_t layers = 4, blocks = 40, run = 16;
-  detail::summary_entry_store<compact_summary> store(layout, 1000);
+  cache::summary_entry_store<compact_summary> store(layout, 1000);
   std::vector<std::vector<slot_id>> chain(layers);
   slot_id next = 0;
   for (std::uint32_t b = 0; b < blocks; ++b) {
@@ -169,7 +169,7 @@ TEST_CASE("summary_entry_store: a layer's blocks fill whole tiles while layers i
 }
 
 TEST_CASE("summary_entry_store: reserve makes the next binds allocation-free") {
-  detail::summary_entry_store<compact_summary> store(layout, 500);
+  cache::summary_entry_store<compact_summary> store(layout, 500);
   store.reserve(200);
   const int grows = store.summaries().grows;
   const std::uint32_t cap = store.summaries().capacity();
@@ -188,7 +188,7 @@ TEST_CASE("summary_entry_store: reserve makes the next binds allocation-free") {
 
 TEST_CASE("summary_entry_store: a bind whose growth fails leaves the store as it was") {
   constexpr std::uint32_t num_slots = 200;
-  detail::summary_entry_store<compact_summary> store(layout, num_slots);
+  cache::summary_entry_store<compact_summary> store(layout, num_slots);
   std::set<slot_id> held;
   slot_id s = 0;
   for (; s < 64; ++s) {  // fills the initial 64 entries: four runs of a tile each
@@ -210,7 +210,7 @@ TEST_CASE("summary_entry_store: a bind whose growth fails leaves the store as it
 }
 
 TEST_CASE("summary_entry_store: the audit names a slot whose entry disagrees with its holders") {
-  detail::summary_entry_store<compact_summary> store(layout, 100);
+  cache::summary_entry_store<compact_summary> store(layout, 100);
   store.bind(3);
   store.bind(4, 3);
   store.check([](slot_id s) { return s == 3 || s == 4 ? 1u : 0u; });
@@ -223,7 +223,7 @@ TEST_CASE("summary_entry_store: the audit names a slot whose entry disagrees wit
 }
 
 TEST_CASE("summary_entry_store: a non-growable summary has one entry per slot, the slot") {
-  detail::summary_entry_store<fixed_summary> store(layout, 50);
+  cache::summary_entry_store<fixed_summary> store(layout, 50);
   CHECK(store.summaries().capacity() == 50);
   CHECK(store.bytes() == 50 * 10);
   store.bind(17, 16);
@@ -241,20 +241,20 @@ TEST_CASE("summary_entry_store: a non-growable summary has one entry per slot, t
 }
 
 TEST_CASE("summary_entry_store: no summary stores nothing") {
-  detail::summary_entry_store<no_summary> store(layout, 50);
+  cache::summary_entry_store<no_summary> store(layout, 50);
   CHECK(store.bytes() == 0);
   store.bind(3);
   store.unbind(3);
   CHECK(store.in_use() == 0);
-  expect_error([] { detail::summary_entry_store<no_summary>(kv_layout{}, 4); },
-               errc::invalid_layout, "kv_layout.num_layers = 0");
+  expect_error([] { cache::summary_entry_store<no_summary>(kv_layout{}, 4); }, errc::invalid_layout,
+               "kv_layout.num_layers = 0");
 }
 
 TEST_CASE("summary_entry_store: a real summary's entries follow their slots") {
   // minmax_summary through the store: a block's bounds land in its slot's entry and score
   // against that entry only.
   const kv_layout l{1, 1, 1, 8, 4, dtype::f32};
-  detail::summary_entry_store<minmax_summary<>> store(l, 300);
+  cache::summary_entry_store<minmax_summary<>> store(l, 300);
   std::vector<float> block(l.block_bytes() / sizeof(float), 0.0f);
   std::vector<std::pair<slot_id, float>> filled;
   for (slot_id s = 0; s < 100; ++s) {

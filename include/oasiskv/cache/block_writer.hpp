@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief `detail::block_writer`: how `tiered_kv_cache` writes a sequence's tokens into the
+//! @brief `cache::block_writer`: how `tiered_kv_cache` writes a sequence's tokens into the
 //! capacity tier (copy-on-write for shared and read-only blocks, write-through to staged copies,
 //! all-or-nothing appends) and takes in blocks that already lie there (adoption).
 #pragma once
@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "oasiskv/allocator/refcounted_allocator.hpp"
+#include "oasiskv/cache/layer_blocks.hpp"
+#include "oasiskv/concepts/block_allocator.hpp"
 #include "oasiskv/concepts/loadable_summary.hpp"
 #include "oasiskv/concepts/prefetch_scheduler.hpp"
 #include "oasiskv/concepts/tier_backend.hpp"
@@ -23,16 +25,7 @@
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/core/selection.hpp"
 
-namespace oasiskv::detail {
-
-//! @brief One (sequence, layer)'s KV in the capacity tier: its tokens, the capacity slot of each
-//! block, and, for a capacity tier the CPU cannot address (block I/O), the partial last block's
-//! bytes, which appends update in memory and write whole.
-struct layer_blocks {
-  std::uint32_t tokens = 0;
-  std::vector<slot_id> blocks;  // block index -> capacity slot
-  std::vector<std::byte> tail;  // the partial block, for block-I/O capacity tiers
-};
+namespace oasiskv::cache {
 
 //! @brief The write and adoption paths of `tiered_kv_cache`, over the cache's tiers, scheduler,
 //! capacity allocator and summary entries (which it references; the cache owns them and calls
@@ -68,8 +61,21 @@ class block_writer {
         capacity_(capacity),
         entries_(entries) {}
 
-  //! @brief Slots `[0, n)` of the capacity tier are read-only: a write into one copies it first.
-  void set_read_only_slots(std::uint32_t n) noexcept { read_only_slots_ = n; }
+  //! @brief Where the capacity tier has read-only slots (`read_only_slot_tier`: a prefill
+  //! node's memory), keeps them out of the allocator, so that only `adopt` hands them out, and
+  //! copies a block in one before a write into it. Returns how many there are.
+  std::uint32_t reserve_read_only_slots() {
+    if constexpr (read_only_slot_tier<Slow>) {
+      static_assert(claimable_allocator<Allocator>,
+                    "oasiskv: a capacity tier with read-only slots needs an allocator with "
+                    "take(slot) (free_list_allocator has it)");
+      read_only_slots_ = slow_.read_only_slots();
+      for (slot_id s = 0; s < read_only_slots_; ++s) {
+        capacity_.reserve(s);
+      }
+    }
+    return read_only_slots_;
+  }
 
   //! @brief Appends `n` tokens (`k`, `v`: `[n][num_kv_heads][head_dim]` elements) to `ls`.
   //! All or nothing (see the class comment).
@@ -116,12 +122,34 @@ class block_writer {
     deferring_ = false;
   }
 
-  //! @brief Takes `slots` (`[layers][blocks]`, each layer's last block holding the rest of
-  //! `tokens`) from the allocator and gives each a summary entry: loaded from `summaries`
-  //! (`[layers][blocks][wire_bytes]`) when `load`, else computed from the blocks. On failure no
-  //! slot is held and every entry is returned.
-  void adopt(std::uint32_t tokens, std::uint32_t blocks, std::span<const slot_id> slots,
-             std::span<const std::byte> summaries, bool load) {
+  //! @brief Takes `slots` (`[layers][blocks_for(tokens)]`, each layer's last block holding the
+  //! rest of `tokens`) from the allocator and gives each a summary entry: loaded from
+  //! `summaries` (`[layers][blocks][wire_bytes]`, a `loadable_summary`'s) when given, else
+  //! computed from the blocks. Returns the blocks per layer. Errors, with nothing held:
+  //! `errc::invalid_argument` for a slot count or summary size that does not match, and what
+  //! the allocator raises for a slot in use or outside the tier; a failure while summarising
+  //! returns every slot and entry.
+  std::uint32_t adopt(std::uint32_t tokens, std::span<const slot_id> slots,
+                      std::span<const std::byte> summaries) {
+    const std::uint32_t blocks = layout_.blocks_for(tokens);
+    const std::size_t total = std::size_t{layout_.num_layers} * blocks;
+    if (slots.size() != total) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "adopt: ", slots.size(), " slots for ", tokens,
+                    " tokens; expected ", layout_.num_layers, " layers x ", blocks,
+                    " blocks = ", total);
+    }
+    bool load = false;
+    if constexpr (loads_summaries) {
+      if (!summaries.empty()) {
+        const std::size_t want = total * entries_.summaries().wire_bytes();
+        if (summaries.size() != want) [[unlikely]] {
+          detail::raise(errc::invalid_argument, "adopt: ", summaries.size(), " summary bytes for ",
+                        total, " blocks; expected ", total, " x ",
+                        entries_.summaries().wire_bytes(), " = ", want);
+        }
+        load = true;
+      }
+    }
     entries_.reserve(slots.size());  // the only step that may allocate: before any slot is held
     std::size_t held = 0;
     try {
@@ -132,7 +160,7 @@ class block_writer {
       if constexpr (has_summary) {
         summarize(tokens, blocks, slots, summaries, load);
       } else {
-        (void)tokens, (void)summaries, (void)load;
+        (void)summaries, (void)load;
       }
     } catch (...) {
       for (std::size_t i = 0; i < held; ++i) {
@@ -141,6 +169,7 @@ class block_writer {
       }
       throw;
     }
+    return blocks;
   }
 
   //! @brief The bytes of capacity slot `s`: its memory, or read into `buffer` (one block).
@@ -151,6 +180,19 @@ class block_writer {
     } else {
       slow_.read_block(s, buffer.data());
       return buffer.data();
+    }
+  }
+
+  //! @brief One more holder of every block of `ls` (a fork shares them).
+  void share(const layer_blocks& ls) {
+    for (const slot_id s : ls.blocks) {
+      capacity_.retain(s);
+    }
+  }
+  //! @brief Lets go of one holder of every block of `ls`.
+  void release(const layer_blocks& ls) {
+    for (const slot_id s : ls.blocks) {
+      release(s);
     }
   }
 
@@ -548,4 +590,4 @@ class block_writer {
   std::vector<append_undo> undos_;  // `append_many`'s, one per layer in the batch
 };
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cache

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief `detail::summary_entry_store<Summary>`: the block summaries of `tiered_kv_cache` and
+//! @brief `cache::summary_entry_store<Summary>`: the block summaries of `tiered_kv_cache` and
 //! which summary entry each capacity slot in use has.
 #pragma once
 
@@ -20,7 +20,7 @@
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/core/selection.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cache {
 
 //! @brief The summary store of a cache whose capacity tier has `num_slots` slots, and the map
 //! from each capacity slot in use to its summary entry.
@@ -341,4 +341,4 @@ class summary_entry_store<no_summary> {
   void check(Holders&&) const noexcept {}
 };
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cache
