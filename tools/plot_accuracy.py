@@ -5,7 +5,7 @@ predictor (16-token blocks, one selection shared by the KV heads, the aggregatio
 --agg). Needs Debian's python3-matplotlib.
 
     python3 tools/plot_accuracy.py RESULTS.json --out-dir docs/accuracy [--agg mass] [--block 16]
-    python3 tools/plot_accuracy.py RESULTS.json --markdown      # the tables of docs/accuracy.md
+    python3 tools/plot_accuracy.py RESULTS.json --markdown      # every figure, as tables
     python3 tools/plot_accuracy.py NEEDLE.json... [--out-dir D]  # --task needle (merged) / agree
 """
 import argparse
@@ -58,7 +58,7 @@ def fmt_row(cells):
 
 
 def markdown(doc, agg, block, gran):
-    """The tables of docs/accuracy.md, printed from one or more results files."""
+    """Every figure of one or more results files as tables (docs/accuracy.md, command P)."""
     res = doc["results"]
     budgets = sorted({int(k.split("/")[5]) for k in res if len(k.split("/")) == 6})
 
