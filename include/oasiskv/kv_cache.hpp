@@ -102,6 +102,29 @@ class tiered_kv_cache {
     return sequences_.insert(std::move(child));
   }
 
+  //! @brief `fork` of the first `tokens` tokens of `parent` (llama.cpp's `seq_cp` of a prefix).
+  sequence_id fork(sequence_id parent, std::uint32_t tokens) {
+    const sequence_id child = fork(parent);
+    try {
+      truncate(child, tokens);
+    } catch (...) {
+      remove(child);
+      throw;
+    }
+    return child;
+  }
+
+  //! @brief Drops every token of `seq` past its first `tokens`, in every layer that holds more
+  //! (rejected drafts; a cached prompt cut to the prefix the next request shares). Blocks past
+  //! the end are let go (staged copies dropped, prefetches in flight waited for), a new
+  //! partial block is summarised again, a fork's shared blocks stay as they are for it; a
+  //! pending lookahead's selection is kept. All or nothing (`cache::block_writer::truncate`).
+  void truncate(sequence_id seq, std::uint32_t tokens) {
+    std::lock_guard lock(mutex_);
+    sequences_.gather(seq, "truncate", blocks_);
+    writer_.truncate(blocks_, tokens);
+  }
+
   //! @brief Adds a sequence of `tokens` tokens whose blocks already lie in the capacity tier:
   //! `slots` is `[num_layers][blocks_for(tokens)]`, each free (or read-only) and named once;
   //! `summaries` the `loadable_summary` entries shipped with them, if any (else the blocks are
@@ -202,12 +225,8 @@ class tiered_kv_cache {
     }
     const auto* kb = static_cast<const std::byte*>(k);
     const auto* vb = static_cast<const std::byte*>(v);
-    if (seqs.size() == 1) {
-      writer_.append(*batch_[0], kb, vb, n);
-    } else {
-      blocks_.assign(batch_.begin(), batch_.end());
-      writer_.append_many(std::span<cache::layer_blocks* const>(blocks_), kb, vb, n);
-    }
+    blocks_.assign(batch_.begin(), batch_.end());
+    writer_.append(blocks_, kb, vb, n);
   }
 
   //! @brief Predicts the blocks the next `attend` of (seq, layer) needs from the lookahead
@@ -244,16 +263,9 @@ class tiered_kv_cache {
       cache::check_lookahead(layout_, query_view{q + i * stride, nullptr, q_len}, batch_[i]->tokens,
                              seqs[i], layer);
     }
-    if (selections_.size() < seqs.size()) {
-      selections_.resize(seqs.size());
-    }
-    blocks_.assign(batch_.begin(), batch_.end());
-    predictor_.select_many(blocks_, q, stride, q_len, limits_.selection(), selections_);
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
-      cache::layer_state& ls = *batch_[i];
-      ls.pending.emplace();
-      std::swap(*ls.pending, selections_[i]);
-      planner_.prefetch(ls.blocks, window_of(ls), *ls.pending);
+    predictor_.select_ahead(batch_, q, stride, q_len, limits_.selection());
+    for (cache::layer_state* ls : batch_) {
+      planner_.prefetch(ls->blocks, window_of(*ls), *ls->pending);
       ++stats_.lookaheads;
     }
   }
@@ -275,50 +287,37 @@ class tiered_kv_cache {
     if (q_len == 0 || q_len > max_query_tokens) [[unlikely]] {
       detail::raise(errc::invalid_argument, "attend: q_len = ", q_len, " must be in [1, 16]");
     }
-    typename cache::step_planner<scheduler_type>::plan_ptr plan;
-    {
+    auto plan = [&] {
       std::lock_guard lock(mutex_);
-      plan = planner_.open();
-      try {
+      return planner_.build([&](cache::step_plan& p) {
         for (std::size_t i = 0; i < seqs.size(); ++i) {
           cache::layer_state& ls = sequences_.at(seqs[i], layer, "attend");
           cache::check_step(ls.tokens, predicts_ahead && ls.pending, host_table_kernel, q_len,
                             seqs[i], layer);
           const float* qs = q + i * std::size_t{q_len} * layout_.num_q_heads * layout_.head_dim;
           selection& sel = predictor_.for_step(ls, {qs, nullptr, q_len}, limits_.selection(),
-                                               plan->predicted, stats_.unpredicted);
-          planner_.add(*plan, ls, window_of(ls), sel, stats_);
+                                               p.predicted, stats_.unpredicted);
+          planner_.add(p, ls, window_of(ls), sel, stats_);
           ls.pending.reset();
         }
         if (attended != nullptr) {
-          planner_.describe(*plan, *attended);
+          planner_.describe(p, *attended);
         }
-      } catch (...) {
-        planner_.close(std::move(plan));  // unpins what the sequences before the failure pinned
-        throw;
+      });
+    }();
+    planner_.run(std::move(plan), mutex_, [&](cache::step_plan& p) {
+      if (lse == nullptr && !host_table_kernel) {
+        p.lse.resize(seqs.size() * std::size_t{q_len} * layout_.num_q_heads);
+        lse = p.lse.data();
       }
-    }
-    if (lse == nullptr && !host_table_kernel) {
-      plan->lse.resize(seqs.size() * std::size_t{q_len} * layout_.num_q_heads);
-      lse = plan->lse.data();
-    }
-    const decode_params p{q,   fast_.view(),      plan->table(), plan->lens.data(), out,
-                          lse, plan->sequences(), q_len,         limits_.scale};
-    auto close = [&] {
-      std::lock_guard lock(mutex_);
-      planner_.close(std::move(plan));
-    };
-    try {
+      const decode_params params{q,   fast_.view(),  p.table(), p.lens.data(), out,
+                                 lse, p.sequences(), q_len,     limits_.scale};
       if constexpr (host_table_kernel) {
-        kernel_.decode_host_tables(p);  // a device kernel: it uploads the host-built tables
+        kernel_.decode_host_tables(params);  // a device kernel: it uploads the host-built tables
       } else {
-        kernel_.decode(p);
+        kernel_.decode(params);
       }
-    } catch (...) {
-      close();
-      throw;
-    }
-    close();
+    });
   }
 
   // -- observation ------------------------------------------------------------------------------
@@ -393,7 +392,6 @@ class tiered_kv_cache {
   // Scratch of the batched calls (under the mutex).
   std::vector<cache::layer_state*> batch_;
   std::vector<cache::layer_blocks*> blocks_;
-  std::vector<selection> selections_;
 };
 
 }  // namespace oasiskv

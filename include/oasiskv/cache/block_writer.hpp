@@ -77,18 +77,6 @@ class block_writer {
     return read_only_slots_;
   }
 
-  //! @brief Appends `n` tokens (`k`, `v`: `[n][num_kv_heads][head_dim]` elements) to `ls`.
-  //! All or nothing (see the class comment).
-  void append(layer_blocks& ls, const std::byte* kb, const std::byte* vb, std::uint32_t n) {
-    append_undo undo{ls.tokens, ls.blocks.size(), false, {}};
-    try {
-      append_rows(ls, kb, vb, n, undo);
-    } catch (...) {
-      undo_append(ls, undo);
-      throw;
-    }
-  }
-
   //! @brief Appends `n` tokens to each of `lss` (distinct layers of distinct sequences): `k` and
   //! `v` are `[lss.size()][n][num_kv_heads][head_dim]`. All or nothing over the batch: should
   //! any part fail, every layer holds what it held before. Where the fast tier queues writes
@@ -96,8 +84,8 @@ class block_writer {
   //! until the writes complete), the write-through of the whole batch is queued and completed
   //! once; every scheduler call that may evict or stage (a slot a queued write targets could be
   //! taken) completes the queued writes first.
-  void append_many(std::span<layer_blocks* const> lss, const std::byte* kb, const std::byte* vb,
-                   std::uint32_t n) {
+  void append(std::span<layer_blocks* const> lss, const std::byte* kb, const std::byte* vb,
+              std::uint32_t n) {
     const std::size_t bytes = std::size_t{n} * layout_.num_kv_heads * layout_.row_bytes();
     undos_.clear();
     undos_.reserve(lss.size());
@@ -181,6 +169,88 @@ class block_writer {
       slow_.read_block(s, buffer.data());
       return buffer.data();
     }
+  }
+
+  //! @brief Cuts each of `lss` (distinct layers) to its first `tokens` tokens; a layer that
+  //! holds no more is unchanged. The blocks past the new end are let go (the last holder of
+  //! one drops its staged copy, after waiting for a prefetch in flight, and its summary entry;
+  //! a fork's holders keep theirs). A new partial last block gets its summary recomputed from
+  //! the tokens it keeps; where another holder shares it (a fork) or it lies in read-only
+  //! memory, the layer first gets a private copy, so the other holders' block and summary stay
+  //! as they were. All or nothing: the copies and reads come first, and should one fail
+  //! (`errc::capacity_exceeded` with no slot left, or the capacity tier's error) every layer
+  //! holds what it held before.
+  void truncate(std::span<layer_blocks* const> lss, std::uint32_t tokens) {
+    const std::uint32_t tpb = layout_.tokens_per_block;
+    cuts_.clear();
+    try {
+      for (layer_blocks* ls : lss) {
+        if (ls->tokens <= tokens) {
+          continue;
+        }
+        cut c{ls, layout_.blocks_for(tokens), tokens % tpb, null_slot, {}};
+        cuts_.push_back(std::move(c));
+        cut& k = cuts_.back();
+        if (k.filled == 0) {
+          continue;  // the new last block is full: its summary already covers exactly it
+        }
+        const slot_id last = ls->blocks[k.keep - 1];
+        if (capacity_.use_count(last) > 1) {
+          const auto fresh = capacity_.allocate();
+          if (!fresh) [[unlikely]] {
+            detail::raise(errc::capacity_exceeded, "truncate: no capacity slot left to copy ",
+                          "shared block ", k.keep - 1, " (slot ", last, ") for its holder");
+          }
+          k.fresh = *fresh;
+          try {
+            copy_capacity_block(last, *fresh, k.filled);  // summarises the kept tokens
+          } catch (...) {
+            entries_.unbind(*fresh);
+            k.fresh = null_slot;
+            capacity_.deallocate(*fresh);
+            throw;
+          }
+        } else if constexpr (!host_accessible_tier<slow_tier_type>) {
+          k.bytes.resize(layout_.block_bytes());  // the summary is recomputed from these below
+          slow_.read_block(last, k.bytes.data());
+        }
+      }
+    } catch (...) {
+      for (const cut& k : cuts_) {
+        if (k.fresh != null_slot) {
+          entries_.unbind(k.fresh);
+          capacity_.deallocate(k.fresh);
+        }
+      }
+      throw;
+    }
+    // Nothing below fails: releasing a block only this layer holds waits for its prefetch (no
+    // step pins it: calls for one sequence do not overlap), and summarising reads memory.
+    for (cut& k : cuts_) {
+      layer_blocks& ls = *k.ls;
+      if (k.fresh != null_slot) {
+        release_quietly(ls.blocks[k.keep - 1]);
+        ls.blocks[k.keep - 1] = k.fresh;
+      }
+      while (ls.blocks.size() > k.keep) {
+        const slot_id x = ls.blocks.back();
+        ls.blocks.pop_back();
+        release_quietly(x);
+      }
+      ls.tokens = tokens;
+      ls.tail.clear();  // a block-I/O tier's next write reads the last block back
+      if constexpr (has_summary) {
+        if (k.filled != 0 && k.fresh == null_slot) {
+          const slot_id last = ls.blocks.back();
+          if constexpr (host_accessible_tier<slow_tier_type>) {
+            entries_.resummarize(last, std::as_const(slow_).slot_data(last), k.filled);
+          } else {
+            entries_.resummarize(last, k.bytes.data(), k.filled);
+          }
+        }
+      }
+    }
+    cuts_.clear();
   }
 
   //! @brief One more holder of every block of `ls` (a fork shares them).
@@ -337,7 +407,7 @@ class block_writer {
     return current;
   }
 
-  // Where a batched append queues its write-through (see `append_many`).
+  // Where a batched append queues its write-through (see `append`).
   static constexpr bool can_defer =
       async_slot_io_tier<Fast> && !host_accessible_tier<Fast> && host_accessible_tier<Slow>;
 
@@ -457,6 +527,15 @@ class block_writer {
         } catch (...) {
         }
       }
+    }
+  }
+
+  // `release` where nothing may fail: the slot is held and unpinned (see `truncate`), so
+  // `forget` has nothing to refuse.
+  void release_quietly(slot_id s) noexcept {
+    try {
+      release(s);
+    } catch (...) {
     }
   }
 
@@ -585,9 +664,19 @@ class block_writer {
   refcounted_allocator<Allocator>& capacity_;
   Entries& entries_;
   std::uint32_t read_only_slots_ = 0;
-  bool deferring_ = false;          // within `append_many`, where `can_defer`
+  bool deferring_ = false;          // within `append`, where `can_defer`
   std::vector<slot_id> pending_;    // capacity slots whose staged copy has a queued write
-  std::vector<append_undo> undos_;  // `append_many`'s, one per layer in the batch
+  std::vector<append_undo> undos_;  // `append`'s, one per layer in the batch
+  // One layer of a `truncate`: the blocks and tokens of the last block it keeps, the private
+  // copy of that block where it had to be copied, and its bytes (block-I/O capacity tiers).
+  struct cut {
+    layer_blocks* ls;
+    std::uint32_t keep;
+    std::uint32_t filled;
+    slot_id fresh;
+    std::vector<std::byte> bytes;
+  };
+  std::vector<cut> cuts_;
 };
 
 }  // namespace oasiskv::cache

@@ -94,6 +94,14 @@ class sequence_table {
     }
   }
 
+  //! @brief Every layer of `seq`, into `out` (cleared first), in layer order.
+  void gather(sequence_id seq, const char* what, std::vector<layer_blocks*>& out) {
+    out.clear();
+    for (layer_state& ls : layers(seq, what)) {
+      out.push_back(&ls);
+    }
+  }
+
   //! @brief Drops `seq` (which must be in the table).
   void erase(sequence_id seq) { sequences_.erase(seq); }
   std::size_t size() const noexcept { return sequences_.size(); }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <utility>
 #include <vector>
@@ -164,6 +165,35 @@ class step_planner {
       p.offsets.push_back(static_cast<std::uint32_t>(p.refs.size()));
     }
     p.lens.push_back(ls.tokens);
+  }
+
+  //! @brief A plan filled by `fill(plan)` (which calls `add` per sequence), under the cache's
+  //! lock; where `fill` throws, what it pinned is unpinned and the plan kept for reuse.
+  template <class Fill>
+  plan_ptr build(Fill&& fill) {
+    plan_ptr p = open();
+    try {
+      fill(*p);
+    } catch (...) {
+      close(std::move(p));
+      throw;
+    }
+    return p;
+  }
+
+  //! @brief Runs `launch(plan)` (the kernel over it) without the cache's lock, then closes the
+  //! plan holding `mutex` (the cache's lock), whether `launch` returned or threw.
+  template <class Mutex, class Launch>
+  void run(plan_ptr p, Mutex& mutex, Launch&& launch) {
+    try {
+      launch(*p);
+    } catch (...) {
+      std::lock_guard lock(mutex);
+      close(std::move(p));
+      throw;
+    }
+    std::lock_guard lock(mutex);
+    close(std::move(p));
   }
 
   //! @brief The blocks each sequence's tables read, as positions in the sequence.

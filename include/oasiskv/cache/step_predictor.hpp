@@ -68,6 +68,21 @@ class step_predictor {
     return scratch;
   }
 
+  //! @brief `select_many` for `layers` whose selections become their pending ones, all at
+  //! once: should the predictor throw, no layer's pending selection changes.
+  void select_ahead(std::span<layer_state* const> layers, const float* q, std::size_t stride,
+                    std::uint32_t q_len, const selection_params& sp) {
+    if (ahead_.size() < layers.size()) {
+      ahead_.resize(layers.size());
+    }
+    ahead_layers_.assign(layers.begin(), layers.end());
+    select_many(ahead_layers_, q, stride, q_len, sp, ahead_);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      layers[i]->pending.emplace();
+      std::swap(*layers[i]->pending, ahead_[i]);
+    }
+  }
+
   //! @brief Selects for each of `layers`: layer `i`'s queries are
   //! `q[i * stride .. + q_len rows]`, its selection goes to `out[i]`. A batched predictor scores
   //! every (sequence, KV head) pair in one loop; otherwise one `select` per layer, in order.
@@ -128,6 +143,8 @@ class step_predictor {
   std::vector<std::vector<std::uint32_t>> batch_ids_;   // select_many's, one per layer
   std::vector<prediction_input<summary_type>> inputs_;  // select_many's inputs
   std::vector<selection*> outs_;                        // and outputs
+  std::vector<selection> ahead_;                        // select_ahead's selections
+  std::vector<layer_blocks*> ahead_layers_;             // and layers
 };
 
 }  // namespace oasiskv::cache
