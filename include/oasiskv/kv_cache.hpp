@@ -223,10 +223,10 @@ class tiered_kv_cache {
                     seqs.size() == 1 ? static_cast<std::uint64_t>(seqs[0]) : seqs.size(),
                     seqs.size() == 1 ? "" : " sequences");
     }
-    const auto* kb = static_cast<const std::byte*>(k);
-    const auto* vb = static_cast<const std::byte*>(v);
+    const auto *kb = static_cast<const std::byte*>(k), *vb = static_cast<const std::byte*>(v);
     blocks_.assign(batch_.begin(), batch_.end());
-    writer_.append(blocks_, kb, vb, n);
+    seqs.size() == 1 ? writer_.append(*blocks_[0], kb, vb, n)  // written through at once
+                     : writer_.append(blocks_, kb, vb, n);     // a queued write-through: once
   }
 
   //! @brief Predicts the blocks the next `attend` of (seq, layer) needs from the lookahead

@@ -77,6 +77,18 @@ class block_writer {
     return read_only_slots_;
   }
 
+  //! @brief Appends `n` tokens (`k`, `v`: `[n][num_kv_heads][head_dim]` elements) to `ls`,
+  //! writing through to its staged copies at once. All or nothing (see the class comment).
+  void append(layer_blocks& ls, const std::byte* kb, const std::byte* vb, std::uint32_t n) {
+    append_undo undo{ls.tokens, ls.blocks.size(), false, {}};
+    try {
+      append_rows(ls, kb, vb, n, undo);
+    } catch (...) {
+      undo_append(ls, undo);
+      throw;
+    }
+  }
+
   //! @brief Appends `n` tokens to each of `lss` (distinct layers of distinct sequences): `k` and
   //! `v` are `[lss.size()][n][num_kv_heads][head_dim]`. All or nothing over the batch: should
   //! any part fail, every layer holds what it held before. Where the fast tier queues writes
