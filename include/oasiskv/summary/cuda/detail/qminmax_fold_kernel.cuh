@@ -13,7 +13,7 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/cuda/detail/qminmax_math.cuh"
+#include "oasiskv/summary/cuda/detail/qminmax_math.cuh"
 
 namespace oasiskv::cuda::detail {
 

@@ -15,15 +15,15 @@
 #include <mutex>
 #include <span>
 
+#include "oasiskv/attention/cuda/sparse_decode.cuh"
+#include "oasiskv/cache/cuda/detail/residency_kernel.cuh"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/core/views.hpp"
-#include "oasiskv/cuda/detail/gather_kernel.cuh"
-#include "oasiskv/cuda/detail/residency_kernel.cuh"
 #include "oasiskv/cuda/detail/runtime.cuh"
-#include "oasiskv/cuda/sparse_decode.cuh"
-#include "oasiskv/cuda/topk_selector.cuh"
+#include "oasiskv/predictor/cuda/topk_selector.cuh"
+#include "oasiskv/transfer/cuda/gather_kernel.cuh"
 
 namespace oasiskv::cuda {
 

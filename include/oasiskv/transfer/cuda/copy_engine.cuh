@@ -22,8 +22,8 @@
 #include "oasiskv/concepts/tier_backend.hpp"
 #include "oasiskv/concepts/transfer_engine.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/cuda/detail/gather_kernel.cuh"
 #include "oasiskv/cuda/detail/runtime.cuh"
+#include "oasiskv/transfer/cuda/gather_kernel.cuh"
 
 namespace oasiskv::cuda {
 

@@ -19,8 +19,8 @@
 
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
-#include "oasiskv/cuda/detail/qminmax_kernels.cuh"
 #include "oasiskv/cuda/detail/runtime.cuh"
+#include "oasiskv/summary/cuda/detail/qminmax_fold_kernel.cuh"
 // The summary/cpu/ kernels use `#pragma GCC unroll`, which g++ knows and nvcc's front end
 // reports (1675) as unrecognised; silence it for that header only.
 #pragma nv_diag_suppress 1675

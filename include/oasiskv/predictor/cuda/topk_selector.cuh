@@ -24,9 +24,9 @@
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/runtime.cuh"
-#include "oasiskv/cuda/detail/select_kernels.cuh"
-#include "oasiskv/cuda/detail/summary_kernels.cuh"
-#include "oasiskv/cuda/device_quantized_summary.cuh"
+#include "oasiskv/predictor/cuda/detail/select_kernels.cuh"
+#include "oasiskv/summary/cuda/detail/minmax_fold_kernel.cuh"
+#include "oasiskv/summary/cuda/device_quantized_minmax_summary.cuh"
 // The summary/cpu/ kernels (via minmax_summary.hpp) use `#pragma GCC unroll`, which g++ knows and
 // nvcc's front end reports (1675) as unrecognised; silence it for that header only.
 #pragma nv_diag_suppress 1675
