@@ -11,6 +11,7 @@
 #include "oasiskv/attention/cuda/sparse_decode.cuh"
 #include "oasiskv/cache/cuda/device_decode_step.cuh"
 #include "oasiskv/predictor/cuda/topk_selector.cuh"
+#include "oasiskv/summary/cuda/device_minmax_summary.cuh"
 #include "oasiskv/summary/cuda/device_quantized_minmax_summary.cuh"
 #include "oasiskv/tier/cuda/device_tier.cuh"
 #include "oasiskv/tier/cuda/pinned_host_tier.cuh"
