@@ -463,5 +463,6 @@ class sparse_decode {
 };
 
 static_assert(sparse_attention_kernel<sparse_decode>);
+static_assert(host_table_kernel<sparse_decode>);
 
 }  // namespace oasiskv::cuda

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "oasiskv/concepts/device_selector.hpp"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
@@ -90,9 +91,13 @@ enum class selection_aggregation : std::uint8_t {
 //!
 //! All kernels run on fixed grids sized from `num_seqs` and `max_blocks`; lengths are read on
 //! the device, so a step (select, gather the misses, decode) can be captured in a CUDA graph once
-//! `reserve` has allocated the workspace.
+//! `reserve` has allocated the workspace. A fixed budget only (`validate` judges the
+//! `selection_params`). Models `device_selector` over both device summaries.
 class topk_selector {
  public:
+  //! @brief What `select` takes (`device_selector`'s request).
+  using request = topk_request;
+
   struct options {
     cudaStream_t stream = nullptr;
     bool per_kv_head = false;    //!< one table per KV head (`per_kv_head_selection`)
@@ -111,6 +116,27 @@ class topk_selector {
   void set_stream(cudaStream_t s) noexcept { options_.stream = s; }
   std::uint32_t tables_per_seq(const kv_layout& l) const noexcept {
     return options_.per_kv_head ? l.num_kv_heads : 1;
+  }
+
+  //! @brief Throws unless this selector takes `sp` over summaries of layout `l`, without touching
+  //! the driver: `errc::unsupported` for a head_dim other than 64 or 128 or an adaptive budget
+  //! (`target_mass` not 0: the GPU selection takes a fixed budget), `errc::invalid_argument` for a
+  //! budget below `sink_blocks + max(recent_blocks, 1)` (the kept blocks). `select` checks it too.
+  static void validate(const kv_layout& l, const selection_params& sp) {
+    if (l.head_dim != 64 && l.head_dim != 128) [[unlikely]] {
+      oasiskv::detail::raise(errc::unsupported, "cuda::topk_selector: head_dim = ", l.head_dim,
+                             " (supported: 64, 128)");
+    }
+    if (sp.target_mass != 0.0f) [[unlikely]] {
+      oasiskv::detail::raise(errc::unsupported, "selection_params.target_mass = ", sp.target_mass,
+                             ": the GPU selection takes a fixed budget only");
+    }
+    const std::uint64_t kept = std::uint64_t{sp.sink_blocks} + std::max(sp.recent_blocks, 1u);
+    if (sp.budget_blocks < kept) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument,
+                             "selection_params.budget_blocks = ", sp.budget_blocks,
+                             " is below sink_blocks + max(recent_blocks, 1) = ", kept);
+    }
   }
 
   //! @brief Allocates the workspace for requests up to this size (before a graph capture);
@@ -207,7 +233,7 @@ class topk_selector {
   // part and launch its scoring kernel, then launches the aggregation and the top-k.
   template <class Score>
   void enqueue(const kv_layout& l, const topk_request& r, Score&& score) const {
-    validate(l, r);
+    check_request(l, r);
     std::lock_guard lock(state_->mutex);
     const int device = detail::current_device();
     if (options_.check_pointers) {
@@ -301,11 +327,8 @@ class topk_selector {
     }
   };
 
-  void validate(const kv_layout& l, const topk_request& r) const {
-    if (l.head_dim != 64 && l.head_dim != 128) [[unlikely]] {
-      oasiskv::detail::raise(errc::unsupported, "cuda::topk_selector: head_dim = ", l.head_dim,
-                             " (supported: 64, 128)");
-    }
+  void check_request(const kv_layout& l, const topk_request& r) const {
+    validate(l, r.params);
     if (r.num_tokens == 0 || r.num_tokens > max_query_tokens) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument, "topk_request.num_tokens = ", r.num_tokens,
                              " must be in [1, 16]");
@@ -313,13 +336,6 @@ class topk_selector {
     if (r.num_seqs == 0 || r.num_seqs > 65535 || r.max_blocks == 0) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument, "topk_request.num_seqs = ", r.num_seqs,
                              " must be in [1, 65535] and max_blocks = ", r.max_blocks, " >= 1");
-    }
-    const std::uint64_t kept =
-        std::uint64_t{r.params.sink_blocks} + std::max(r.params.recent_blocks, 1u);
-    if (r.params.budget_blocks < kept) [[unlikely]] {
-      oasiskv::detail::raise(errc::invalid_argument,
-                             "selection_params.budget_blocks = ", r.params.budget_blocks,
-                             " is below sink_blocks + max(recent_blocks, 1) = ", kept);
     }
     if (r.queries == nullptr || r.seq_lens == nullptr || r.summary_ids == nullptr ||
         r.staged_slots == nullptr || r.refs == nullptr || r.offsets == nullptr ||
@@ -393,5 +409,8 @@ class topk_selector {
   options options_;
   std::shared_ptr<state> state_;
 };
+
+static_assert(device_selector<topk_selector, device_minmax_summary>);
+static_assert(device_selector<topk_selector, device_quantized_minmax_summary>);
 
 }  // namespace oasiskv::cuda

@@ -12,6 +12,7 @@
 #include <span>
 #include <vector>
 
+#include "oasiskv/concepts/device_summary.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/summary/cuda/detail/minmax_fold_kernel.cuh"
@@ -45,7 +46,7 @@ namespace oasiskv::cuda {
 //!
 //! As the host model, it grows (`grow`: every entry kept, on the device) and takes shipped
 //! summaries (`load`: the host wire format, the host `load`'s bits), with their arguments
-//! checked on the host by `check_grow` / `check_load`.
+//! checked on the host by `check_grow` / `check_load`. Models `device_summary`.
 class device_minmax_summary {
  public:
   //! @brief Allocates `capacity` empty entries for `layout` (synchronous); `errc::invalid_argument`
@@ -233,5 +234,7 @@ class device_minmax_summary {
 
   store store_;
 };
+
+static_assert(device_summary<device_minmax_summary>);
 
 }  // namespace oasiskv::cuda

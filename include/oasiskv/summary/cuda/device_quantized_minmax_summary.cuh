@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "oasiskv/concepts/device_summary.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
@@ -52,7 +53,7 @@ namespace oasiskv::cuda {
 //!
 //! As the host model, it grows (`grow`: every entry kept, on the device) and takes shipped
 //! summaries (`load`: the host wire format, quantized by the host `load` itself), with their
-//! arguments checked on the host by `check_grow` / `check_load`.
+//! arguments checked on the host by `check_grow` / `check_load`. Models `device_summary`.
 class device_quantized_minmax_summary {
  public:
   //! @brief Allocates `capacity` empty entries for `layout` (synchronous); `errc::invalid_argument`
@@ -308,5 +309,7 @@ class device_quantized_minmax_summary {
 
   store store_;
 };
+
+static_assert(device_summary<device_quantized_minmax_summary>);
 
 }  // namespace oasiskv::cuda
