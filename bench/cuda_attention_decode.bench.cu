@@ -42,7 +42,7 @@
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #pragma nv_diag_default 1675
 #if defined(OASISKV_BENCH_FLASHINFER)
-#include "oasiskv/cuda/flashinfer_decode.cuh"
+#include "oasiskv/attention/cuda/flashinfer_decode.cuh"
 #endif
 
 namespace {

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-# oasiskv::cuda: the CUDA models (include/oasiskv/cuda/*.cuh), for consumers compiling with nvcc.
+# oasiskv::cuda: the CUDA models (every include/oasiskv/**/*.cuh: each concept's cuda/ folder, and
+# the runtime helpers of include/oasiskv/cuda/), for consumers compiling with nvcc.
 # An interface target over the toolkit: it sets no CUDA architecture or standard of its own, so
 # a consumer's .cu targets keep the CMAKE_CUDA_ARCHITECTURES that the consumer chose.
 find_package(CUDAToolkit REQUIRED)
 
 file(GLOB_RECURSE _oasiskv_cuda_headers CONFIGURE_DEPENDS
-     RELATIVE "${PROJECT_SOURCE_DIR}" "${PROJECT_SOURCE_DIR}/include/oasiskv/cuda/*.cuh")
+     RELATIVE "${PROJECT_SOURCE_DIR}" "${PROJECT_SOURCE_DIR}/include/oasiskv/*.cuh")
 
 add_library(oasiskv_cuda INTERFACE)
 add_library(oasiskv::cuda ALIAS oasiskv_cuda)

@@ -15,6 +15,8 @@
 
 #include "oasiskv/concepts/block_allocator.hpp"
 #include "oasiskv/concepts/block_summary.hpp"
+#include "oasiskv/concepts/device_selector.hpp"
+#include "oasiskv/concepts/device_summary.hpp"
 #include "oasiskv/concepts/eviction_policy.hpp"
 #include "oasiskv/concepts/growable_summary.hpp"
 #include "oasiskv/concepts/importance_predictor.hpp"

@@ -17,8 +17,8 @@
 #include "cuda/cuda_support.cuh"
 #include "oasiskv/attention/reference_decode.hpp"
 #include "oasiskv/attention/validate.hpp"
+#include "oasiskv/cache/cuda/device_decode_step.cuh"
 #include "oasiskv/cuda/cuda.cuh"
-#include "oasiskv/cuda/device_decode_step.cuh"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 
 namespace {

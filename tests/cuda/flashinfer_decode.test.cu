@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "cuda/cuda_support.cuh"
+#include "oasiskv/attention/cuda/flashinfer_decode.cuh"
 #include "oasiskv/attention/reference_decode.hpp"
 #include "oasiskv/cuda/cuda.cuh"
-#include "oasiskv/cuda/flashinfer_decode.cuh"
 // The predictor's host scoring loops carry `#pragma GCC unroll`, unknown to nvcc's front end.
 #pragma nv_diag_suppress 1675
 #include "oasiskv/allocator/free_list_allocator.hpp"

@@ -15,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "oasiskv/cuda/detail/qminmax_math.cuh"
+#include "oasiskv/summary/cuda/detail/qminmax_math.cuh"
 #pragma nv_diag_suppress 1675
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 #pragma nv_diag_default 1675

@@ -7,9 +7,10 @@
 // summaries.
 //
 // Two ctest entries run this binary (tests/cuda/CMakeLists.txt): the cases of the test suite
-// "host" need no driver and always run (test_cuda_topk_selector_host: the weights' device math
-// against the host aggregation, and the premises of the weighted device cases); the others need
-// a device and exit 77 (skipped) without one (test_cuda_topk_selector).
+// "host" need no driver and always run (test_cuda_topk_selector_host: the selection parameters'
+// checks, the weights' device math against the host aggregation, and the premises of the
+// weighted device cases); the others need a device and exit 77 (skipped) without one
+// (test_cuda_topk_selector).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -23,7 +24,9 @@
 #include <random>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_support.cuh"
@@ -923,6 +926,33 @@ TEST_CASE("cuda::topk_selector: bad requests throw before any launch") {
     what = e.what();
   }
   CHECK_MESSAGE(what.find("topk_request.weights") != std::string::npos, what);
+}
+
+TEST_CASE("topk_selector::validate judges the selection on the host" *
+          doctest::test_suite("host")) {
+  const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
+  auto error_of = [&](const oasiskv::kv_layout& layout, const oasiskv::selection_params& sp) {
+    try {
+      oc::topk_selector::validate(layout, sp);
+    } catch (const oasiskv::error& e) {
+      return std::pair{e.code(), std::string(e.what())};
+    }
+    return std::pair{oasiskv::errc{}, std::string()};
+  };
+  CHECK_NOTHROW(oc::topk_selector::validate(l, {8, 1, 2}));
+  auto [code, what] = error_of(l, {2, 1, 2});
+  CHECK(code == oasiskv::errc::invalid_argument);
+  CHECK_MESSAGE(what.find("budget_blocks = 2") != std::string::npos, what);
+  oasiskv::selection_params adaptive{8, 1, 2};
+  adaptive.target_mass = 0.5f;
+  std::tie(code, what) = error_of(l, adaptive);
+  CHECK(code == oasiskv::errc::unsupported);
+  CHECK_MESSAGE(what.find("target_mass = 0.5") != std::string::npos, what);
+  oasiskv::kv_layout l96 = l;
+  l96.head_dim = 96;
+  std::tie(code, what) = error_of(l96, {8, 1, 2});
+  CHECK(code == oasiskv::errc::unsupported);
+  CHECK_MESSAGE(what.find("head_dim = 96") != std::string::npos, what);
 }
 
 // Per-token draft weights (`selection_aggregation::confidence_weighted`).

@@ -132,12 +132,18 @@ inline void require_device_pointer(const void* p, int device, const char* what) 
   }
 }
 
+//! @brief Whether `stream` is being captured into a CUDA graph, and whether that capture was
+//! invalidated.
+inline cudaStreamCaptureStatus capture_status(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing", errc::invalid_argument);
+  return st;
+}
+
 //! @brief Whether `stream` is being captured into a CUDA graph (then nothing may synchronise,
 //! allocate or read results back).
 inline bool is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing", errc::invalid_argument);
-  return st != cudaStreamCaptureStatusNone;
+  return capture_status(stream) != cudaStreamCaptureStatusNone;
 }
 
 //! @brief Multiprocessors of `device` (cached per call site by the callers).

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A .cu of the consumer's own, compiled by nvcc against oasiskv::cuda's installed headers.
 #include <cstdio>
-#include <oasiskv/cuda/device_tier.cuh>
+#include <oasiskv/tier/cuda/device_tier.cuh>
 
 int main() {
   std::printf("cuda_device: %zu-byte device_tier\n", sizeof(oasiskv::cuda::device_tier));

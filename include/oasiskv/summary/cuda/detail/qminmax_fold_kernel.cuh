@@ -13,31 +13,19 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/cuda/detail/qminmax_math.cuh"
+#include "oasiskv/summary/cuda/detail/qminmax_math.cuh"
+#include "oasiskv/summary/cuda/detail/summary_fold.cuh"
 
 namespace oasiskv::cuda::detail {
 
-//! @brief One fold into entry `entry`: keys `(t, h, x)` at `keys[t * token_stride + h *
-//! head_stride + x]` for `t < count`; `fresh` starts from the empty entry (the host's `reset`
-//! then `update`), `clear` writes the empty entry (zero codes, scales and norms, bias `-inf`, no
-//! tokens) and reads no keys.
-struct qminmax_fold_args {
-  std::uint32_t* codes = nullptr;   // [num_kv_heads][capacity][head_dim / 2] code words
-  float* scale = nullptr;           // [num_kv_heads][capacity]: 2^e, 0 when empty
-  float* norm = nullptr;            // [num_kv_heads][capacity]: ||A||_2 rounded up
-  float* bias = nullptr;            // [capacity]: 0; -inf empty; +inf a non-finite key
-  std::uint16_t* tokens = nullptr;  // [capacity]
-  std::uint32_t capacity = 0;
-  std::uint32_t head_dim = 0;
-  std::uint32_t num_kv_heads = 0;
-  std::uint32_t entry = 0;
-  const void* keys = nullptr;
-  std::size_t token_stride = 0;  // elements
-  std::size_t head_stride = 0;   // elements
-  std::uint32_t count = 0;
-  std::uint16_t new_tokens = 0;  // the entry's token count afterwards (known on the host)
-  bool fresh = false;
-  bool clear = false;
+//! @brief One fold (`summary_fold`) into an entry's int8 codes, scales, norms and bias: `fresh`
+//! starts from the empty entry, `clear` writes it (zero codes, scales and norms, bias `-inf`, no
+//! tokens).
+struct qminmax_fold_args : summary_fold {
+  std::uint32_t* codes = nullptr;  // [num_kv_heads][capacity][head_dim / 2] code words
+  float* scale = nullptr;          // [num_kv_heads][capacity]: 2^e, 0 when empty
+  float* norm = nullptr;           // [num_kv_heads][capacity]: ||A||_2 rounded up
+  float* bias = nullptr;           // [capacity]: 0; -inf empty; +inf a non-finite key
 };
 static_assert(std::is_trivially_copyable_v<qminmax_fold_args>);
 

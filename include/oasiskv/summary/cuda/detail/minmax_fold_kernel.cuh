@@ -13,25 +13,14 @@
 
 #include "oasiskv/config.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/summary/cuda/detail/summary_fold.cuh"
 
 namespace oasiskv::cuda::detail {
 
-//! @brief One fold into entry `entry`: keys `(t, h, x)` at `keys[t * token_stride + h *
-//! head_stride + x]` for `t < count`; `fresh` starts from the empty bounds (max `-inf`, min
-//! `+inf`), `clear` writes the empty entry (zero bounds, no tokens) and reads no keys.
-struct minmax_fold_args {
-  f16* bounds = nullptr;            // [num_kv_heads][capacity][2][head_dim]
-  std::uint16_t* tokens = nullptr;  // [capacity]
-  std::uint32_t capacity = 0;
-  std::uint32_t head_dim = 0;
-  std::uint32_t entry = 0;
-  const void* keys = nullptr;
-  std::size_t token_stride = 0;  // elements
-  std::size_t head_stride = 0;   // elements
-  std::uint32_t count = 0;
-  std::uint16_t new_tokens = 0;  // the entry's token count afterwards (known on the host)
-  bool fresh = false;
-  bool clear = false;
+//! @brief One fold (`summary_fold`) into an entry's f16 bounds: `fresh` starts from the empty
+//! bounds (max `-inf`, min `+inf`), `clear` writes the empty entry (zero bounds, no tokens).
+struct minmax_fold_args : summary_fold {
+  f16* bounds = nullptr;  // [num_kv_heads][capacity][2][head_dim]
 };
 static_assert(std::is_trivially_copyable_v<minmax_fold_args>);
 

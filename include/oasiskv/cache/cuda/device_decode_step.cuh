@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief `cuda::device_decode_step`: one decode step (GPU selection, gather of the selected
-//! blocks that are not staged, sparse decode) enqueued on one stream with no host
-//! synchronisation, capturable in a CUDA graph and replayed.
+//! @brief `cuda::device_decode_step`: one decode step composed of the CUDA parts (a device
+//! summary, the GPU selection, the gather, the sparse decode) and enqueued on one stream with no
+//! host synchronisation, so that a CUDA graph can capture it and replay it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,106 +15,34 @@
 #include <mutex>
 #include <span>
 
+#include "oasiskv/attention/cuda/sparse_decode.cuh"
+#include "oasiskv/cache/cuda/detail/residency_kernel.cuh"
+#include "oasiskv/cache/cuda/device_step_options.cuh"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/core/views.hpp"
-#include "oasiskv/cuda/detail/gather_kernel.cuh"
-#include "oasiskv/cuda/detail/residency_kernel.cuh"
 #include "oasiskv/cuda/detail/runtime.cuh"
-#include "oasiskv/cuda/sparse_decode.cuh"
-#include "oasiskv/cuda/topk_selector.cuh"
+#include "oasiskv/predictor/cuda/topk_selector.cuh"
+#include "oasiskv/summary/cuda/device_minmax_summary.cuh"
+#include "oasiskv/transfer/cuda/gather_kernel.cuh"
 
 namespace oasiskv::cuda {
 
-//! @brief The largest `selection_params::budget_blocks` a `device_decode_step` takes (the
-//! residency kernel keeps two words per staging slot of a sequence in shared memory).
-inline constexpr std::uint32_t max_step_budget = 4096;
-
-//! @brief What a `device_decode_step` is built for. Sizes are maxima: every buffer is allocated
-//! once, at construction, so that its address is the same in every replay of a capture.
-struct device_decode_step_options {
-  //! Sequences a step may take (1..65535).
-  std::uint32_t max_seqs = 0;
-  //! Blocks a sequence may have (the selection's grid bound and the rows of the block maps).
-  std::uint32_t max_blocks = 0;
-  //! The selection: `budget_blocks` (1..`max_step_budget`) is also the number of staging slots
-  //! each sequence owns. A fixed budget only (`target_mass` 0).
-  selection_params selection{};
-  //! The most query tokens per sequence a step decodes (1..16).
-  std::uint32_t max_q_len = 1;
-  //! The most lookahead tokens per sequence a step selects with (1..16).
-  std::uint32_t max_lookahead = 1;
-  //! How the selection folds query rows into one score per block (the step passes no draft
-  //! weights: `confidence_weighted` weighs every lookahead token 1, as `softmax_mass`).
-  selection_aggregation aggregation = selection_aggregation::max;
-  //! The fast pool (device memory of the current device) holding the staging slots.
-  block_pool_view fast{};
-  //! Sequence `s` owns fast slots `[first_slot + s * budget_blocks, + budget_blocks)`; all of
-  //! `max_seqs` sequences' slots must lie in the pool, and nothing else may write them.
-  slot_id first_slot = 0;
-  //! The capacity pool the gather reads (pinned host memory, read through UVA, or device
-  //! memory); the layout must be the fast pool's.
-  block_pool_view capacity{};
-  //! The decode's score scale; 0: 1/sqrt(head_dim).
-  float scale = 0.0f;
-  //! CTAs of the gather kernel.
-  unsigned gather_ctas = 16;
-  //! Splits of the decode kernel (0: what `sparse_decode` picks for `max_seqs` sequences and the
-  //! budget). Fixed at construction, so the decode workspace is allocated once.
-  std::uint32_t decode_splits = 0;
-  //! Check with `cudaPointerGetAttributes` that the pointers of each `device_decode_step_io`
-  //! are device memory of the current device (before anything is enqueued).
-  bool check_pointers = true;
-  //! Check the staging area on the host before each `enqueue` and `replay` (it is host memory:
-  //! no device data is read): every length at least `q_len` and within `max_blocks` blocks,
-  //! every summary id and capacity slot of a block in range. O(blocks) per step.
-  bool check_staging = true;
-  //! The capture mode `capture` begins with.
-  cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeThreadLocal;
-};
-
-//! @brief One step's device buffers and shape. The pointers are device memory the caller owns;
-//! a capture records them, so they must stay valid (and are read anew) in every replay.
-struct device_decode_step_io {
-  const float* q = nullptr;          //!< [num_seqs][q_len][num_q_heads][head_dim], 16-byte aligned
-  const float* lookahead = nullptr;  //!< [num_seqs][lookahead_tokens][num_q_heads][head_dim]
-  float* out = nullptr;              //!< [num_seqs][q_len][num_q_heads][head_dim]
-  float* lse = nullptr;        //!< [num_seqs][q_len][num_q_heads], or null: the step's own buffer
-  std::uint32_t num_seqs = 0;  //!< sequences of this step, 1..max_seqs
-  std::uint32_t q_len = 1;     //!< query tokens per sequence, 1..max_q_len
-  std::uint32_t lookahead_tokens = 1;  //!< lookahead tokens per sequence, 1..max_lookahead
-};
-
-//! @brief Where each part of the pinned staging area (and of its device mirror) lies, in
-//! 32-bit words: `seq_lens` `[max_seqs]`, then `summary_ids` and `capacity_slots`, each
-//! `[max_seqs][max_blocks]`, every part starting on a 16-byte boundary. Host-only arithmetic.
-struct device_step_staging_layout {
-  std::uint32_t max_seqs = 0;    //!< rows of the block maps
-  std::uint32_t max_blocks = 0;  //!< words per row
-
-  //! @brief `n` rounded up to whole 16-byte groups of words.
-  static constexpr std::size_t round_words(std::size_t n) noexcept { return (n + 3) / 4 * 4; }
-  //! @brief Word offset of `seq_lens`.
-  constexpr std::size_t lens_offset() const noexcept { return 0; }
-  //! @brief Word offset of `summary_ids`.
-  constexpr std::size_t ids_offset() const noexcept { return round_words(max_seqs); }
-  //! @brief Words of one block map.
-  constexpr std::size_t map_words() const noexcept {
-    return round_words(std::size_t{max_seqs} * max_blocks);
-  }
-  //! @brief Word offset of `capacity_slots`.
-  constexpr std::size_t caps_offset() const noexcept { return ids_offset() + map_words(); }
-  //! @brief Words of the whole area.
-  constexpr std::size_t words() const noexcept { return caps_offset() + map_words(); }
-  //! @brief Word offset of sequence `s`'s row in a block map starting at `map`.
-  constexpr std::size_t row(std::size_t map, std::uint32_t s) const noexcept {
-    return map + std::size_t{s} * max_blocks;
-  }
-};
-
-//! @brief A decode step on the GPU with no host synchronisation, for code that drives the CUDA
-//! parts directly: enqueues on one stream, in order,
+//! @brief A decode step on the GPU with no host synchronisation: a thin composition of the CUDA
+//! models of the concepts, for code that drives them directly. It exists beside
+//! `tiered_kv_cache`, whose step predicts from host queries, stages through a `transfer_engine`
+//! and synchronises (no CUDA graph can hold it), to give a step a CUDA graph can capture: every
+//! decision the facade makes on the host (which blocks, which slots, which copies) is made here
+//! on the device. It composes, and owns only the glue between them (the pinned staging area and
+//! its device mirror, the residency kernel, the slot tags and the copy list):
+//! - a `device_summary` (`device_minmax_summary`, the caller's, kept current by the caller);
+//! - a `device_selector` (`topk_selector`), which also judges the `selection_params`;
+//! - the gather of `transfer/cuda/` (`enqueue_gather`, the `copy_engine`'s kernel over a
+//!   device-written list);
+//! - a `sparse_attention_kernel` (`sparse_decode`, asynchronous).
+//!
+//! Each step enqueues on one stream, in order,
 //!
 //! 1. the copies of this step's host inputs from a pinned staging area (`seq_lens`, and the
 //!    block maps `summary_ids` and `capacity_slots`, rows `0..num_seqs`) into device buffers;
@@ -150,15 +78,12 @@ class device_decode_step {
   using options = device_decode_step_options;
   using io = device_decode_step_io;
 
-  //! @brief Checks the options against the summary's layout without touching the driver.
-  //! Throws `oasiskv::error` naming the offending value.
+  //! @brief Checks the options against the summary's layout without touching the driver: the
+  //! selection as `topk_selector::validate` judges it, then the step's own sizes, pools and
+  //! slots. Throws `oasiskv::error` naming the offending value.
   static void validate(const options& o, const kv_layout& layout) {
     layout.validate();
-    if (layout.head_dim != 64 && layout.head_dim != 128) [[unlikely]] {
-      oasiskv::detail::raise(errc::unsupported,
-                             "cuda::device_decode_step: head_dim = ", layout.head_dim,
-                             " (supported: 64, 128)");
-    }
+    topk_selector::validate(layout, o.selection);
     if (o.max_seqs == 0 || o.max_seqs > 65535) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument,
                              "device_decode_step_options.max_seqs = ", o.max_seqs,
@@ -172,16 +97,6 @@ class device_decode_step {
       oasiskv::detail::raise(errc::invalid_argument,
                              "selection_params.budget_blocks = ", sp.budget_blocks,
                              " must be in [1, ", max_step_budget, "]");
-    }
-    const std::uint64_t kept = std::uint64_t{sp.sink_blocks} + std::max(sp.recent_blocks, 1u);
-    if (sp.budget_blocks < kept) [[unlikely]] {
-      oasiskv::detail::raise(errc::invalid_argument,
-                             "selection_params.budget_blocks = ", sp.budget_blocks,
-                             " is below sink_blocks + max(recent_blocks, 1) = ", kept);
-    }
-    if (sp.target_mass != 0.0f) [[unlikely]] {
-      oasiskv::detail::raise(errc::unsupported, "selection_params.target_mass = ", sp.target_mass,
-                             ": the GPU selection takes a fixed budget only");
     }
     if (o.max_q_len == 0 || o.max_q_len > max_query_tokens) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument,
@@ -359,7 +274,7 @@ class device_decode_step {
   void enqueue(const io& x, cudaStream_t stream) {
     check_io(x, true);
     std::lock_guard lock(mutex_);
-    const cudaStreamCaptureStatus st = capture_status(stream);
+    const cudaStreamCaptureStatus st = detail::capture_status(stream);
     if (st == cudaStreamCaptureStatusInvalidated) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument,
                              "cuda::device_decode_step::enqueue: the stream's capture was "
@@ -378,7 +293,7 @@ class device_decode_step {
                              "cannot be captured; pass a created stream");
     }
     std::lock_guard lock(mutex_);
-    if (capture_status(stream) != cudaStreamCaptureStatusNone) [[unlikely]] {
+    if (detail::capture_status(stream) != cudaStreamCaptureStatusNone) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument, "cuda::device_decode_step::capture: stream ",
                              static_cast<const void*>(stream), " is being captured already");
     }
@@ -422,7 +337,7 @@ class device_decode_step {
                        buffers_.host, captured_.num_seqs, captured_.q_len);
     }
     detail::check(cudaGraphLaunch(exec_, stream), "cuda::device_decode_step: cudaGraphLaunch");
-    if (capture_status(stream) == cudaStreamCaptureStatusNone) {
+    if (detail::capture_status(stream) == cudaStreamCaptureStatusNone) {
       detail::check(cudaEventRecord(buffers_.staging_read, stream),
                     "cuda::device_decode_step: cudaEventRecord");
     }
@@ -581,13 +496,6 @@ class device_decode_step {
                              "it must be pinned (cudaHostRegister, pinned_host_tier) or device "
                              "memory");
     }
-  }
-
-  static cudaStreamCaptureStatus capture_status(cudaStream_t stream) {
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    detail::check(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing",
-                  errc::invalid_argument);
-    return st;
   }
 
   void check_seq(std::uint32_t s, const char* what) const {

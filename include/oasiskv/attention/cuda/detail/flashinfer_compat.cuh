@@ -3,7 +3,7 @@
 //! @brief What FlashInfer 0.7.4's headers need from CCCL that CCCL 3.0 (CUDA 13.0) lacks:
 //! `cuda::fast_mod_div<std::uint32_t>` (`<cuda/cmath>`, CCCL 3.1), the divisor wrapper of
 //! `flashinfer/fastdiv.cuh`. Must be included before any FlashInfer header;
-//! `oasiskv/cuda/flashinfer_decode.cuh` does so. With CCCL 3.1 or newer it adds nothing.
+//! `oasiskv/attention/cuda/flashinfer_decode.cuh` does so. With CCCL 3.1 or newer it adds nothing.
 #pragma once
 
 #include <cuda/cmath>

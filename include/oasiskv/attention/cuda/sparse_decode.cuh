@@ -15,11 +15,11 @@
 #include <mutex>
 #include <vector>
 
+#include "oasiskv/attention/cuda/detail/decode_kernels.cuh"
 #include "oasiskv/attention/validate.hpp"
 #include "oasiskv/concepts/sparse_attention_kernel.hpp"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/cuda/detail/decode_kernels.cuh"
 #include "oasiskv/cuda/detail/runtime.cuh"
 
 namespace oasiskv::cuda {
@@ -463,5 +463,6 @@ class sparse_decode {
 };
 
 static_assert(sparse_attention_kernel<sparse_decode>);
+static_assert(host_table_kernel<sparse_decode>);
 
 }  // namespace oasiskv::cuda

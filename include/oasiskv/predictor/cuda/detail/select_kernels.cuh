@@ -21,7 +21,7 @@
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/kv_vec.cuh"
-#include "oasiskv/cuda/detail/qminmax_math.cuh"
+#include "oasiskv/summary/cuda/detail/qminmax_math.cuh"
 
 namespace oasiskv::cuda::detail {
 

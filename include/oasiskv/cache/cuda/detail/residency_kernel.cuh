@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The residency kernel of `cuda::device_step`: after the GPU selection, gives every
+//! @brief The residency kernel of `cuda::device_decode_step`: after the GPU selection, gives every
 //! selected block a staging slot of its sequence, on the device, and lists the copies the
 //! gather must make (blocks not resident, or resident with fewer tokens than they now hold).
 #pragma once

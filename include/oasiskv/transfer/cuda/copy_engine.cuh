@@ -22,8 +22,11 @@
 #include "oasiskv/concepts/tier_backend.hpp"
 #include "oasiskv/concepts/transfer_engine.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/cuda/detail/gather_kernel.cuh"
 #include "oasiskv/cuda/detail/runtime.cuh"
+#include "oasiskv/tier/cuda/device_tier.cuh"
+#include "oasiskv/tier/cuda/pinned_host_tier.cuh"
+#include "oasiskv/tier/host_tier.hpp"
+#include "oasiskv/transfer/cuda/gather_kernel.cuh"
 
 namespace oasiskv::cuda {
 
@@ -568,5 +571,8 @@ class copy_engine {
   std::uint64_t issued_ = 0;
   statistics stats_{};
 };
+
+static_assert(transfer_engine<copy_engine, pinned_host_tier, device_tier>);
+static_assert(transfer_engine<copy_engine, host_tier, device_tier>);
 
 }  // namespace oasiskv::cuda

@@ -25,7 +25,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "oasiskv/cuda/detail/flashinfer_compat.cuh"  // before FlashInfer
+#include "oasiskv/attention/cuda/detail/flashinfer_compat.cuh"  // before FlashInfer
 
 #include <flashinfer/attention/decode.cuh>
 #include <flashinfer/attention/default_decode_params.cuh>
