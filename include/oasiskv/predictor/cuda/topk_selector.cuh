@@ -19,6 +19,7 @@
 #include "oasiskv/concepts/device_selector.hpp"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
+#include "oasiskv/core/kept_window.hpp"
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/runtime.cuh"
@@ -131,7 +132,7 @@ class topk_selector {
       oasiskv::detail::raise(errc::unsupported, "selection_params.target_mass = ", sp.target_mass,
                              ": the GPU selection takes a fixed budget only");
     }
-    const std::uint64_t kept = std::uint64_t{sp.sink_blocks} + std::max(sp.recent_blocks, 1u);
+    const std::uint64_t kept = min_budget_blocks(sp.sink_blocks, sp.recent_blocks);
     if (sp.budget_blocks < kept) [[unlikely]] {
       oasiskv::detail::raise(errc::invalid_argument,
                              "selection_params.budget_blocks = ", sp.budget_blocks,

@@ -18,6 +18,7 @@
 
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/ids.hpp"
+#include "oasiskv/core/kept_window.hpp"
 #include "oasiskv/core/layout.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cuda/detail/kv_vec.cuh"
@@ -458,10 +459,9 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
     }
   }
 
-  const std::uint32_t sinks = a.sp.sink_blocks < n ? a.sp.sink_blocks : n;
-  const std::uint32_t want_recent = a.sp.recent_blocks > 1 ? a.sp.recent_blocks : 1;
-  const std::uint32_t recent = want_recent < n - sinks ? want_recent : n - sinks;
-  const std::uint32_t end = n - recent;  // candidates: [sinks, end)
+  const block_window window = kept_window(n, a.sp.sink_blocks, a.sp.recent_blocks);
+  const std::uint32_t sinks = window.sinks, recent = window.recent();
+  const std::uint32_t end = window.recent_from;  // candidates: [sinks, end)
   const bool take_all = budget >= n;
   std::uint32_t* keys = a.keys + std::size_t{t} * a.max_blocks;
   std::uint32_t threshold = 0, take_equal = 0;
