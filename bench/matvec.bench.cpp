@@ -1,6 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The mini-decoder's quantized products (apps/mini_decoder/quant.cpp) against the memory-read
-// limit.
+// The mini-decoder's quantized products (apps/mini_decoder/ops/) against the memory-read limit.
 //
 // Decode multiplies every weight matrix by one token's activations (or a few: the verification
 // of drafted tokens), so its floor is the time to read the weight bytes. Each row multiplies a
@@ -38,11 +37,13 @@
 #include <string>
 #include <vector>
 
-#include "common.hpp"
+#include <mini_decoder/io/mapped_file.hpp>
+#include <mini_decoder/ops/int8_matmul.hpp>
+#include <mini_decoder/ops/matmul.hpp>
+#include <mini_decoder/ops/threads.hpp>
+
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/isa.hpp"
-#include "quant.hpp"
-#include "quant_int8.hpp"
 #include "read_probe.hpp"
 
 namespace {

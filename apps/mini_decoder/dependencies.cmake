@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-# What the mini-decoder needs beyond the library: OpenMP, OpenBLAS (cblas.h), CLI11 and fmt, and
-# for its HTTP server (server.cpp) cpp-httplib and nlohmann/json.
+# What the mini-decoder needs beyond the library: OpenBLAS (cblas.h; the ops and model parts),
+# CLI11 and fmt (the CLI, the throughput benchmark), cpp-httplib and nlohmann/json (the server
+# part), and OpenMP (tools/accuracy and bench/matvec.bench.cpp).
 # Included by apps/mini_decoder, tools/accuracy and tests/ (tests are configured first); sets
 # MINI_DECODER_DEPS_FOUND. Where something is missing the engine, the tools on it and their
 # tests are skipped, never the rest of the tree.

@@ -23,16 +23,18 @@
 #include <thread>
 #include <vector>
 
-#include "decoder.hpp"
-#include "model.hpp"
+#include <mini_decoder/decode/decoder.hpp>
+#include <mini_decoder/decode/sampler.hpp>
+#include <mini_decoder/io/error.hpp>
+#include <mini_decoder/model/model.hpp>
+#include <mini_decoder/model/transformer.hpp>
+
 #include "oasiskv/disagg/kv_exporter.hpp"
 #include "oasiskv/disagg/remote_cache.hpp"
 #include "oasiskv/oasiskv.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
-#include "sampler.hpp"
 #include "synthetic.hpp"
-#include "transformer.hpp"
 
 namespace pd_demo::real {
 

@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "batch.hpp"
-#include "decoder.hpp"
+#include <mini_decoder/batch/batch.hpp>
+#include <mini_decoder/decode/decoder.hpp>
+
+#include "models.hpp"
 #include "support.hpp"
 
 using namespace mini_decoder;

@@ -13,8 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "common.hpp"
-#include "kquants.hpp"
+#include <mini_decoder/io/error.hpp>
+#include <mini_decoder/ops/kquants.hpp>
+
 #include "oasiskv/core/dtype.hpp"
 #include "support/paths.hpp"
 

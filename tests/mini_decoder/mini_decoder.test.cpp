@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "decoder.hpp"
+#include <mini_decoder/decode/decoder.hpp>
+
 #include "oasiskv/core/dtype.hpp"
 #include "support.hpp"
 

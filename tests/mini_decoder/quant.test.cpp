@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// The mini-decoder's int8 products of Q4_1 and Q8_0 matrices (apps/mini_decoder/quant_int8.cpp):
-// every code path this CPU runs against a double-precision model of the same quantized
-// product, the activation quantization against its definition, the int8 product against the
-// f32 one within the bound that activation rounding allows, and per-token results that do not
-// depend on how many tokens share a call.
+// The mini-decoder's int8 products of Q4_1 and Q8_0 matrices
+// (apps/mini_decoder/ops/int8_matmul.cpp): every code path this CPU runs against a double-precision
+// model of the same quantized product, the activation quantization against its definition, the int8
+// product against the f32 one within the bound that activation rounding allows, and per-token
+// results that do not depend on how many tokens share a call.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -12,10 +12,13 @@
 #include <string>
 #include <vector>
 
-#include "common.hpp"
+#include <mini_decoder/io/error.hpp>
+#include <mini_decoder/io/mapped_file.hpp>
+#include <mini_decoder/ops/dot_isa.hpp>
+#include <mini_decoder/ops/int8_matmul.hpp>
+#include <mini_decoder/ops/matmul.hpp>
+
 #include "oasiskv/core/dtype.hpp"
-#include "quant.hpp"
-#include "quant_int8.hpp"
 #include "support.hpp"
 
 using namespace mini_decoder;
@@ -276,7 +279,7 @@ struct panel_copy {
   }
 };
 
-// Reads row r's value c back out of the panel layout (quant_int8.hpp), independently of the
+// Reads row r's value c back out of the panel layout (ops/int8_matmul.hpp), independently of the
 // kernels: the stored quant byte (Q8_0: the signed value; Q4_1: the nibble) and the block's d
 // (and m) bits.
 struct panel_value {

@@ -16,10 +16,12 @@
 #include <thread>
 #include <vector>
 
-#include "batch.hpp"
-#include "decoder.hpp"
-#include "server.hpp"
-#include "support.hpp"
+#include <mini_decoder/batch/batch.hpp>
+#include <mini_decoder/decode/decoder.hpp>
+#include <mini_decoder/io/error.hpp>
+#include <mini_decoder/server/server.hpp>
+
+#include "models.hpp"
 
 using namespace mini_decoder;
 using json = nlohmann::json;

@@ -12,10 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "decoder.hpp"
-#include "kquants.hpp"
-#include "quant.hpp"
-#include "support.hpp"
+#include <mini_decoder/decode/decoder.hpp>
+#include <mini_decoder/ops/kquants.hpp>
+#include <mini_decoder/ops/matmul.hpp>
+
+#include "models.hpp"
 
 using namespace mini_decoder;
 

@@ -1,16 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
-// The equal-memory throughput run (apps/mini_decoder/throughput.cpp) on stories260K: the same
+// The equal-memory throughput run (bench/throughput/throughput.cpp) on stories260K: the same
 // fast-tier bytes admit more OasisKV requests than dense ones, every request gets all its
 // tokens, and the report's counts add up.
 #include <doctest/doctest.h>
 
 #include <string>
 
-#include "batch.hpp"
+#include <mini_decoder/batch/batch.hpp>
+#include <throughput/throughput.hpp>
+
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/qminmax_int2_summary.hpp"
 #include "support.hpp"
-#include "throughput.hpp"
 
 using namespace mini_decoder;
 using mini_decoder::test::error_of;

@@ -17,8 +17,9 @@
 #include <map>
 #include <sstream>
 
-#include "common.hpp"
-#include "decoder.hpp"
+#include <mini_decoder/decode/decoder.hpp>
+#include <mini_decoder/io/error.hpp>
+
 #include "evaluator.hpp"
 #include "runner.hpp"
 #include "tasks.hpp"

@@ -12,14 +12,15 @@
 #include <span>
 #include <sstream>
 
-#include "common.hpp"
-#include "draft.hpp"
+#include <mini_decoder/decode/draft.hpp>
+#include <mini_decoder/decode/sampler.hpp>
+#include <mini_decoder/io/error.hpp>
+
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/qminmax_int2_summary.hpp"
-#include "sampler.hpp"
 
 namespace accuracy {
 

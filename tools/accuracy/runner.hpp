@@ -10,10 +10,11 @@
 #include <string>
 #include <vector>
 
+#include <mini_decoder/model/model.hpp>
+#include <mini_decoder/model/transformer.hpp>
+
 #include "evaluator.hpp"
-#include "model.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
-#include "transformer.hpp"
 
 namespace accuracy {
 

@@ -9,10 +9,11 @@
 #include <random>
 #include <sstream>
 
-#include "common.hpp"
-#include "quant.hpp"
+#include <mini_decoder/io/error.hpp>
+#include <mini_decoder/ops/matmul.hpp>
+#include <mini_decoder/tokenizer/tokenizer.hpp>
+
 #include "runner.hpp"
-#include "tokenizer.hpp"
 
 namespace accuracy {
 

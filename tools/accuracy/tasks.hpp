@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "model.hpp"
+#include <mini_decoder/model/model.hpp>
 
 namespace accuracy {
 
