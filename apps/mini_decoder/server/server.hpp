@@ -7,15 +7,20 @@
 //! pool; one engine thread owns the `batch_engine` and steps it while there is work. Handlers
 //! hand their requests to it through a mutex-protected queue and read the tokens back from
 //! per-request state guarded by a mutex and a condition variable.
+//!
+//! The parts, each in its own file here: `http.hpp` (connections, error responses, streaming),
+//! `openai.hpp` (requests read and checked, response shapes), `chat.hpp` (the chat template),
+//! `request_queue.hpp` (the queue and the engine thread), `routes.hpp` (the endpoints); this
+//! class composes them.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include <mini_decoder/batch/batch.hpp>
 #include <mini_decoder/model/model.hpp>
+#include <mini_decoder/server/chat.hpp>
 
 namespace mini_decoder {
 
@@ -33,19 +38,6 @@ struct server_options {
   unsigned http_threads = 32;  //!< threads that run the HTTP handlers (each open stream holds one)
   bool log_requests = false;   //!< one line per request on stderr
 };
-
-//! One chat message.
-struct chat_message {
-  std::string role;  //!< system, user or assistant
-  std::string content;
-};
-
-//! The prompt text of a chat: with a ChatML template (the tokenizer's `chat_prompt` works), each
-//! message as `<|im_start|>role\ncontent<|im_end|>\n` after the tokenizer's own system message
-//! when the chat starts without one, then `<|im_start|>assistant\n`; one user message gives
-//! exactly `chat_prompt(content)`. Without a template (llama2.c models) the contents joined by
-//! newlines. Throws `decoder_error` for a role other than system, user or assistant.
-std::string chat_text(const tokenizer& tok, const std::vector<chat_message>& messages);
 
 //! The server. `start` binds and starts its threads; `stop` (or the destructor) ends them.
 class server {
@@ -68,7 +60,7 @@ class server {
   //! The model name the API reports.
   const std::string& model_id() const;
 
-  struct impl;  //!< the HTTP server, the engine thread and the request queue
+  struct impl;  //!< the HTTP server, the request queue, the routes and the threads
 
  private:
   std::unique_ptr<impl> p_;
