@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/kept_window.hpp"
 
 namespace accuracy {
 namespace {
@@ -369,9 +370,9 @@ void evaluator::record(std::size_t config, const table_set& sel, const table_set
   const std::uint32_t H = s_.num_q_heads, KH = s_.num_kv_heads, D = s_.head_dim, G = H / KH;
   metric_sums& m = configs_[config].sums;
   const auto tables = static_cast<std::uint32_t>(sel.size());
-  // Blocks always kept: the sink block and the newest one.
-  const std::uint32_t lo = std::min(sink_blocks, nb),
-                      hi = nb > recent_blocks ? nb - recent_blocks : 0;
+  // Blocks always kept: the sink block and the newest one; the free ones lie in [lo, hi).
+  const oasiskv::block_window kept = oasiskv::kept_window(nb, sink_blocks, recent_blocks);
+  const std::uint32_t lo = kept.sinks, hi = kept.recent_from;
   double agree_all = 0, agree_free = 0;
   std::uint32_t free_tables = 0;
   for (std::uint32_t t = 0; t < tables; ++t) {
