@@ -43,7 +43,7 @@
 #include <mini_decoder/ops/threads.hpp>
 
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 #include "read_probe.hpp"
 
 namespace {

@@ -51,7 +51,7 @@
 #include <vector>
 
 #include "oasiskv/concepts/block_summary.hpp"
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
@@ -104,8 +104,8 @@ std::uint64_t read_all(const std::byte* p, std::size_t bytes) {
 #endif
 
 // minmax_summary<f16> as it was before the tiled layout, the baseline of speedup_vs_f16:
-// [kv head][entry][max (d) | min (d)] rows scored by detail::dot_entries (per entry, tiles of up
-// to 8 query rows against the row, then horizontal sums). The same bounds, the same f32 math.
+// [kv head][entry][max (d) | min (d)] rows scored by cpu::detail::dot_entries (per entry, tiles of
+// up to 8 query rows against the row, then horizontal sums). The same bounds, the same f32 math.
 class legacy_minmax_f16 {
  public:
   legacy_minmax_f16(const kv_layout& l, std::uint32_t capacity)
@@ -159,8 +159,8 @@ class legacy_minmax_f16 {
         split[std::size_t{r} * stride + d + x] = v < 0.0f ? v : 0.0f;
       }
     }
-    detail::dot_entries(isa_, bounds_.data() + std::size_t{h} * capacity_ * stride, stride, entries,
-                        split.data(), n, stride, out);
+    cpu::detail::dot_entries(isa_, bounds_.data() + std::size_t{h} * capacity_ * stride, stride,
+                             entries, split.data(), n, stride, out);
     for (std::size_t i = 0; i < entries.size(); ++i) {
       if (tokens_[entries[i]] == 0) {
         std::fill(out + i * n, out + (i + 1) * n, -std::numeric_limits<float>::infinity());

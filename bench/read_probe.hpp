@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 
 namespace oasiskv::bench {
 

@@ -46,8 +46,8 @@ struct summary_with_tiles_of_4 : archetype::summary {
 };
 static_assert(summary_tile_entries_v<archetype::summary> == 16);
 static_assert(summary_tile_entries_v<summary_with_tiles_of_4> == 4);
-static_assert(summary_tile_entries_v<minmax_summary<f16>> == detail::minmax_tile_lanes);
-static_assert(summary_tile_entries_v<quantized_minmax_summary> == detail::qminmax_lanes);
+static_assert(summary_tile_entries_v<minmax_summary<f16>> == cpu::detail::minmax_tile_lanes);
+static_assert(summary_tile_entries_v<quantized_minmax_summary> == cpu::detail::qminmax_lanes);
 static_assert(importance_predictor<archetype::predictor>);
 static_assert(importance_predictor<archetype::summaryless_predictor>);
 static_assert(!importance_predictor<archetype::predictor_over_a_non_summary>);
@@ -84,7 +84,7 @@ static_assert(!loadable_summary<qminmax_int4_cascade> &&
 static_assert(loadable_summary<cascade_summary<quantized_minmax_summary, minmax_summary<f16>>> &&
               row_scoring_summary<cascade_summary<quantized_minmax_summary, minmax_summary<f16>>>);
 static_assert(!log_mass_summary<cascade_summary<quantized_minmax_summary, minmax_summary<f16>>>);
-static_assert(summary_tile_entries_v<qminmax_int4_cascade> == detail::qminmax_lanes);
+static_assert(summary_tile_entries_v<qminmax_int4_cascade> == cpu::detail::qminmax_lanes);
 
 // prefetch_scheduler
 static_assert(prefetch_scheduler<archetype::scheduler>);

@@ -20,8 +20,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/concepts/importance_predictor.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 #include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/predictor/oracle_predictor.hpp"

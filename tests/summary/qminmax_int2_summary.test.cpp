@@ -211,7 +211,7 @@ TEST_CASE("qminmax_int2_summary: scores and log-mass of the dequantized keys on 
                   double slack = 0.0;
                   if (integer && fill[b] == full) {
                     const double alpha =
-                        max_abs(qr, l.head_dim) / detail::int2_query_limit(l.head_dim);
+                        max_abs(qr, l.head_dim) / cpu::detail::int2_query_limit(l.head_dim);
                     for (const auto& k : keys) {
                       double sum = 0.0;
                       for (const float v : k) {
@@ -441,32 +441,32 @@ TEST_CASE("qminmax_int2_summary: the block kernels against the portable one") {
           CAPTURE(n);
           CAPTURE(scale);
           std::vector<float> want(n), f32(n), integer(n), dots(std::size_t{n} * 16);
-          detail::int2_score_entry(cpu_isa::scalar, words.data(), 1, lo.data(), step.data(), d,
-                                   tokens, q.data(), n, scale, dots.data(), want.data());
-          detail::int2_score_entry(cpu_isa::avx512, words.data(), 1, lo.data(), step.data(), d,
-                                   tokens, q.data(), n, scale, dots.data(), f32.data());
+          cpu::detail::int2_score_entry(cpu_isa::scalar, words.data(), 1, lo.data(), step.data(), d,
+                                        tokens, q.data(), n, scale, dots.data(), want.data());
+          cpu::detail::int2_score_entry(cpu_isa::avx512, words.data(), 1, lo.data(), step.data(), d,
+                                        tokens, q.data(), n, scale, dots.data(), f32.data());
           for (std::uint32_t r = 0; r < n; ++r) {
             CHECK(std::abs(f32[r] - want[r]) <= 1e-5f * std::max(1.0f, std::abs(want[r])));
           }
           if (!detected_cpu_features().avx512_vnni) {
             continue;
           }
-          detail::int2_query z;
-          REQUIRE(detail::int2_quantize_query(q.data(), n, d, z));
-          detail::int2_block_rows_vnni(words.data(), bound.data(), s, tokens, z, scale,
-                                       integer.data());
+          cpu::detail::int2_query z;
+          REQUIRE(cpu::detail::int2_quantize_query(q.data(), n, d, z));
+          cpu::detail::int2_block_rows_avx512_vnni(words.data(), bound.data(), s, tokens, z, scale,
+                                                   integer.data());
           for (std::uint32_t r = 0; r < n; ++r) {
             const float* qr = q.data() + std::size_t{r} * d;
             double keys_abs = 0.0;  // the largest sum |k'| over the live tokens
             for (std::uint32_t t = 0; t < tokens; ++t) {
               double sum = 0.0;
               for (std::uint32_t x = 0; x < d; ++x) {
-                sum += std::abs(
-                    detail::int2_value(lo[x], step[x], detail::int2_code(words.data(), 1, x, t)));
+                sum += std::abs(cpu::detail::int2_value(
+                    lo[x], step[x], cpu::detail::int2_code(words.data(), 1, x, t)));
               }
               keys_abs = std::max(keys_abs, sum * (1.0 + 1e-3));
             }
-            const double slack = max_abs(qr, d) / detail::int2_query_limit(d) / 2 * keys_abs;
+            const double slack = max_abs(qr, d) / cpu::detail::int2_query_limit(d) / 2 * keys_abs;
             CHECK(std::abs(integer[r] - want[r]) <=
                   1e-5 * std::max(1.0, std::abs(double{want[r]})) + slack);
           }
@@ -475,8 +475,8 @@ TEST_CASE("qminmax_int2_summary: the block kernels against the portable one") {
     }
   }
   // A row with a non-finite value is not quantized: the caller scores it in f32.
-  detail::int2_query z;
+  cpu::detail::int2_query z;
   std::vector<float> bad(64, 1.0f);
   bad[9] = std::numeric_limits<float>::quiet_NaN();
-  CHECK_FALSE(detail::int2_quantize_query(bad.data(), 1, 64, z));
+  CHECK_FALSE(cpu::detail::int2_quantize_query(bad.data(), 1, 64, z));
 }

@@ -281,16 +281,16 @@ TEST_CASE("directed rounding brackets the value and stays one step from it") {
   std::uniform_real_distribution<float> dist(-100.0f, 100.0f);
   for (int i = 0; i < 20000; ++i) {
     const float x = i < 4 ? (i < 2 ? 0.0f : 1e-7f) * (i % 2 ? -1.0f : 1.0f) : dist(rng);
-    const f16 lo = detail::round_down<f16>(x), hi = detail::round_up<f16>(x);
+    const f16 lo = cpu::detail::round_down<f16>(x), hi = cpu::detail::round_up<f16>(x);
     CHECK(lo.to_float() <= x);
     CHECK(hi.to_float() >= x);
-    CHECK(detail::next_toward_pos_inf(lo).to_float() >= x);
-    const bf16 blo = detail::round_down<bf16>(x), bhi = detail::round_up<bf16>(x);
+    CHECK(cpu::detail::next_toward_pos_inf(lo).to_float() >= x);
+    const bf16 blo = cpu::detail::round_down<bf16>(x), bhi = cpu::detail::round_up<bf16>(x);
     CHECK(blo.to_float() <= x);
     CHECK(bhi.to_float() >= x);
   }
-  CHECK(detail::round_up<f16>(65505.0f).to_float() == std::numeric_limits<float>::infinity());
-  CHECK(detail::round_down<f16>(65505.0f).to_float() == 65504.0f);
+  CHECK(cpu::detail::round_up<f16>(65505.0f).to_float() == std::numeric_limits<float>::infinity());
+  CHECK(cpu::detail::round_down<f16>(65505.0f).to_float() == 65504.0f);
 }
 
 TEST_CASE_TEMPLATE("minmax_summary: an upper bound of every token's dot product", Storage, f16,
@@ -388,7 +388,7 @@ TEST_CASE_TEMPLATE("minmax_summary: every row group and sign pattern, on every p
             double ref = 0.0, mag = 0.0;
             for (std::uint32_t x = 0; x < l.head_dim; ++x) {
               const double qx = q[r * l.head_dim + x];
-              const double b = detail::widen(bd[(qx < 0.0 ? l.head_dim : 0) + x]);
+              const double b = cpu::detail::widen(bd[(qx < 0.0 ? l.head_dim : 0) + x]);
               ref += qx * b;
               mag += std::abs(qx * b);
             }
@@ -643,19 +643,20 @@ TEST_CASE("softmax row kernels: every path clamps, exponentiates and accumulates
       }
       CHECK(acc[count] == 123.0f);
     };
-    check_path(
-        "dispatched", detail::clamp_finite_max, detail::exp_sum,
-        [](float* a, const float* v, float f, std::size_t c) { detail::add_scaled(a, v, f, c); });
+    check_path("dispatched", cpu::detail::clamp_finite_max, cpu::detail::exp_sum,
+               [](float* a, const float* v, float f, std::size_t c) {
+                 cpu::detail::add_scaled(a, v, f, c);
+               });
 #if OASISKV_X86_KERNELS
     if (isa_supported(cpu_isa::avx2)) {
       oasiskv::testing::note_path("softmax helpers: avx2");
-      check_path("avx2", detail::clamp_finite_max_avx2, detail::exp_sum_avx2,
-                 detail::add_scaled_avx2);
+      check_path("avx2", cpu::detail::clamp_finite_max_avx2, cpu::detail::exp_sum_avx2,
+                 cpu::detail::add_scaled_avx2);
     }
     if (isa_supported(cpu_isa::avx512)) {
       oasiskv::testing::note_path("softmax helpers: avx512");
-      check_path("avx512", detail::clamp_finite_max_avx512, detail::exp_sum_avx512,
-                 detail::add_scaled_avx512);
+      check_path("avx512", cpu::detail::clamp_finite_max_avx512, cpu::detail::exp_sum_avx512,
+                 cpu::detail::add_scaled_avx512);
     }
 #endif
   }
@@ -677,30 +678,30 @@ TEST_CASE("entry id stats: the largest id and the consecutive steps, on every pa
     if (trial % 5 == 0) {
       std::iota(ids.begin(), ids.end(), rng() % 1000);  // wholly consecutive
     }
-    detail::entry_id_stats want;
+    cpu::detail::entry_id_stats want;
     for (std::size_t i = 0; i < n; ++i) {
       want.top = std::max(want.top, ids[i]);
       want.steps += i > 0 && ids[i] == ids[i - 1] + 1 ? 1u : 0u;
     }
     CAPTURE(n);
-    const detail::entry_id_stats got = detail::entry_id_stats_of(ids);
+    const cpu::detail::entry_id_stats got = cpu::detail::entry_id_stats_of(ids);
     CHECK(got.top == want.top);
     CHECK(got.steps == want.steps);
-    const detail::entry_id_stats s = detail::entry_id_stats_scalar(ids);
+    const cpu::detail::entry_id_stats s = cpu::detail::entry_id_stats_scalar(ids);
     CHECK(s.top == want.top);
     CHECK(s.steps == want.steps);
 #if OASISKV_X86_KERNELS
     if (isa_supported(cpu_isa::avx512)) {
-      const detail::entry_id_stats v = detail::entry_id_stats_avx512(ids);
+      const cpu::detail::entry_id_stats v = cpu::detail::entry_id_stats_avx512(ids);
       CHECK(v.top == want.top);
       CHECK(v.steps == want.steps);
     }
 #endif
     const bool contiguous = want.steps + 1 == n;
     if (want.top < 0xffffffffu) {
-      CHECK(detail::check_entry_ids(ids, want.top + 1, "t") == contiguous);
+      CHECK(cpu::detail::check_entry_ids(ids, want.top + 1, "t") == contiguous);
     }
-    expect_error([&] { detail::check_entry_ids(ids, want.top, "t"); }, errc::out_of_range,
+    expect_error([&] { cpu::detail::check_entry_ids(ids, want.top, "t"); }, errc::out_of_range,
                  ">= capacity");
   }
 }

@@ -264,8 +264,8 @@ TEST_CASE_TEMPLATE("minmax_summary::load: the wire format, bounds as `update`'s"
       for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
         const auto lb = loaded.bounds(h, b), ub = updated.bounds(h, b);
         for (std::uint32_t x = 0; x < l.head_dim; ++x) {
-          const float lhi = detail::widen(lb[x]), llo = detail::widen(lb[l.head_dim + x]);
-          const float uhi = detail::widen(ub[x]), ulo = detail::widen(ub[l.head_dim + x]);
+          const float lhi = cpu::detail::widen(lb[x]), llo = cpu::detail::widen(lb[l.head_dim + x]);
+          const float uhi = cpu::detail::widen(ub[x]), ulo = cpu::detail::widen(ub[l.head_dim + x]);
           // A bound of the true keys, never tighter than the one computed from them.
           CHECK(lhi >= extreme(pool, b, h, x, fill[b], 0));
           CHECK(llo <= extreme(pool, b, h, x, fill[b], 1));

@@ -11,9 +11,9 @@
 #include <mini_decoder/ops/matmul.hpp>
 #include <mini_decoder/ops/threads.hpp>
 
-#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/summary/cpu/simd_math.hpp"
+#include "oasiskv/cpu/math.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 
 namespace mini_decoder {
 
@@ -204,8 +204,8 @@ void transformer::attention_prefill(const float* q, const float* k, const float*
         const std::uint32_t last = r0 + static_cast<std::uint32_t>(i);
         // The library's vectorised softmax pieces: a scalar expf per score made the softmax,
         // not the two products, the larger part of a long prompt's prefill.
-        const float mx = oasiskv::detail::clamp_finite_max(s, last + 1, s);
-        const float sum = oasiskv::detail::exp_sum(s, mx, last + 1, 1.0f, s);
+        const float mx = oasiskv::cpu::detail::clamp_finite_max(s, last + 1, s);
+        const float sum = oasiskv::cpu::detail::exp_sum(s, mx, last + 1, 1.0f, s);
         const float inv = 1.0f / sum;
         for (std::uint32_t j = 0; j <= last; ++j)
           s[j] *= inv;

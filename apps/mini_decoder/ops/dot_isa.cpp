@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <mini_decoder/ops/dot_isa.hpp>
 
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 
 namespace mini_decoder {
 

@@ -8,7 +8,7 @@
 
 #include <cstring>
 
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 
 namespace mini_decoder {
 

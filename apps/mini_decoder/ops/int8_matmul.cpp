@@ -13,7 +13,7 @@
 
 #include <mini_decoder/io/error.hpp>
 
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 
 namespace mini_decoder {
 

@@ -14,8 +14,8 @@
 #include <mini_decoder/ops/kquants.hpp>
 #include <mini_decoder/ops/threads.hpp>
 
-#include "oasiskv/attention/cpu/thread_pool.hpp"
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 
 namespace mini_decoder {
 

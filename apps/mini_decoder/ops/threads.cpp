@@ -3,7 +3,7 @@
 
 #include <mini_decoder/io/error.hpp>
 
-#include "oasiskv/attention/cpu/thread_pool.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 
 extern "C" void openblas_set_num_threads(int);  // OpenBLAS's own; not in cblas.h everywhere
 

@@ -11,17 +11,15 @@
 #include <memory>
 #include <vector>
 
-#include "oasiskv/attention/cpu/block_avx2.hpp"
-#include "oasiskv/attention/cpu/block_avx512.hpp"
-#include "oasiskv/attention/cpu/block_scalar.hpp"
+#include "oasiskv/attention/cpu/block.hpp"
 #include "oasiskv/attention/cpu/range.hpp"
 #include "oasiskv/attention/cpu/row_state.hpp"
-#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/attention/validate.hpp"
 #include "oasiskv/concepts/sparse_attention_kernel.hpp"
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 
 namespace oasiskv::cpu {
 
@@ -73,7 +71,7 @@ class sparse_decode {
   void decode(const decode_params& p) const {
     validate(p);
     const kv_layout& l = p.pool.layout;
-    const impl::range_fn fn = select(isa_, l.kv_dtype, l.head_dim);
+    const detail::range_fn fn = detail::range_kernel(isa_, l.kv_dtype, l.head_dim);
     run(p, fn);
   }
 
@@ -93,30 +91,7 @@ class sparse_decode {
     std::uint32_t seq, head, heads, first_part, count;
   };
 
-  static impl::range_fn select(cpu_isa isa, dtype t, std::uint32_t d) {
-    return visit_dtype(t, [&](auto elem) -> impl::range_fn {
-      using T = decltype(elem);
-#if OASISKV_X86_KERNELS
-      if (isa == cpu_isa::avx512 && d == 64) {
-        return &impl::avx512::range<T, 64>;
-      }
-      if (isa == cpu_isa::avx512 && d == 128) {
-        return &impl::avx512::range<T, 128>;
-      }
-      if (isa == cpu_isa::avx512 || isa == cpu_isa::avx2) {
-        return d == 64    ? &impl::range_blocks<T, &impl::avx2::block<T, 64>>
-               : d == 128 ? &impl::range_blocks<T, &impl::avx2::block<T, 128>>
-                          : &impl::range_blocks<T, &impl::avx2::block<T, 0>>;
-      }
-#endif
-      (void)isa;
-      return d == 64    ? &impl::range_blocks<T, &impl::block_scalar<T, 64>>
-             : d == 128 ? &impl::range_blocks<T, &impl::block_scalar<T, 128>>
-                        : &impl::range_blocks<T, &impl::block_scalar<T, 0>>;
-    });
-  }
-
-  void run(const decode_params& p, impl::range_fn fn) const {
+  void run(const decode_params& p, detail::range_fn fn) const {
     const kv_layout& l = p.pool.layout;
     const std::uint32_t rows = p.q_len * l.group_size();
     const std::uint32_t d = l.head_dim;
@@ -192,7 +167,7 @@ class sparse_decode {
     }
   }
 
-  static void run_item(const decode_params& p, impl::range_fn fn, const work_item& w,
+  static void run_item(const decode_params& p, detail::range_fn fn, const work_item& w,
                        float* part_out, float* part_lse) {
     const kv_layout& l = p.pool.layout;
     const std::uint32_t g = l.group_size();
@@ -206,11 +181,11 @@ class sparse_decode {
     // Rounded up to 16 floats so that each head's arrays start on a cache line.
     const std::size_t per_head =
         (2 * rd + std::size_t{rows} * (s_stride + 16) + 3 * std::size_t{rows} + 15) / 16 * 16;
-    impl::aligned_floats scratch(per_head * w.heads);
-    std::vector<impl::row_state> states(w.heads);
-    const float qscale = p.scale * impl::log2e;  // scores come out in log2 units
+    detail::aligned_floats scratch(per_head * w.heads);
+    std::vector<detail::row_state> states(w.heads);
+    const float qscale = p.scale * detail::log2e;  // scores come out in log2 units
     for (std::uint32_t hi = 0; hi < w.heads; ++hi) {
-      impl::row_state& st = states[hi];
+      detail::row_state& st = states[hi];
       st.rows = rows;
       st.head_dim = d;
       st.s_stride = s_stride;
@@ -230,7 +205,7 @@ class sparse_decode {
       }
     }
 
-    impl::item_span span;
+    detail::item_span span;
     span.states = states.data();
     span.pool = p.pool;
     span.refs = p.table.begin(p.table.table_index(w.seq, w.head));
@@ -246,7 +221,7 @@ class sparse_decode {
     for (std::uint32_t hi = 0; hi < w.heads; ++hi) {
       const std::uint32_t h = w.head + hi;
       if (w.part == no_part) {
-        impl::finalize_rows(
+        detail::finalize_rows(
             states[hi],
             [&](std::uint32_t r) { return p.out + p.q_row(w.seq, r / g, h * g + r % g); },
             [&](std::uint32_t r) -> float& {
@@ -254,7 +229,7 @@ class sparse_decode {
             });
       } else {
         const std::size_t base = (std::size_t{w.part} * w.heads + hi) * rows;
-        impl::finalize_rows(
+        detail::finalize_rows(
             states[hi], [&](std::uint32_t r) { return part_out + (base + r) * d; },
             [&](std::uint32_t r) -> float& { return part_lse[base + r]; });
       }

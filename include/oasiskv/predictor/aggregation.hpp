@@ -15,7 +15,7 @@
 
 #include "oasiskv/concepts/log_mass_summary.hpp"
 #include "oasiskv/concepts/score_aggregation.hpp"
-#include "oasiskv/summary/cpu/simd_math.hpp"
+#include "oasiskv/cpu/math.hpp"
 
 namespace oasiskv {
 
@@ -59,10 +59,10 @@ class softmax_mass {
       // (-inf) cannot turn the subtraction of the maximum into NaN: such blocks take all, or
       // none, of the row's mass. Then the exponentials, their sum and the weighted accumulation,
       // each one vectorised pass over the row's contiguous blocks.
-      const float m = detail::clamp_finite_max(raw + r * blocks, blocks, row_.data());
-      const float sum = detail::exp_sum(row_.data(), m, blocks, c.scale, row_.data());
+      const float m = cpu::detail::clamp_finite_max(raw + r * blocks, blocks, row_.data());
+      const float sum = cpu::detail::exp_sum(row_.data(), m, blocks, c.scale, row_.data());
       // sum >= 1: the row's maximum contributes exp(0).
-      detail::add_scaled(acc, row_.data(), weight(r / c.group_size) / sum, blocks);
+      cpu::detail::add_scaled(acc, row_.data(), weight(r / c.group_size) / sum, blocks);
     }
   }
 

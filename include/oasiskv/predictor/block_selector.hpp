@@ -13,11 +13,11 @@
 
 #include "oasiskv/core/decode_params.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/core/isa.hpp"
 #include "oasiskv/core/kept_window.hpp"
 #include "oasiskv/core/selection.hpp"
-#include "oasiskv/predictor/select_kernels.hpp"
-#include "oasiskv/summary/cpu/simd_math.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math.hpp"
+#include "oasiskv/cpu/top_k.hpp"
 
 namespace oasiskv {
 
@@ -69,7 +69,7 @@ class block_selector {
     // budget >= sinks + recent (checked by the caller) and budget < n, so 0 <= k < candidates.
     const std::uint32_t k = sp.budget_blocks - sinks - recent;
     if (k > 0) {
-      detail::keep_top(isa_, scores + sinks, end - sinks, k, sinks, ranked_, pool_, out);
+      cpu::detail::keep_top(isa_, scores + sinks, end - sinks, k, sinks, ranked_, pool_, out);
     }
     for (std::uint32_t i = end; i < n; ++i) {
       out.push_back(i);
@@ -164,7 +164,7 @@ class block_selector {
         out.push_back(i);
       }
       if (take > 0) {
-        detail::keep_top(isa_, scores + sinks, end - sinks, take, sinks, ranked_, pool_, out);
+        cpu::detail::keep_top(isa_, scores + sinks, end - sinks, take, sinks, ranked_, pool_, out);
       }
       for (std::uint32_t i = end; i < n; ++i) {
         out.push_back(i);

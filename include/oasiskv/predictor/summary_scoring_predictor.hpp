@@ -12,7 +12,6 @@
 #include <span>
 #include <vector>
 
-#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/concepts/block_summary.hpp"
 #include "oasiskv/concepts/log_mass_summary.hpp"
 #include "oasiskv/concepts/row_scoring_summary.hpp"
@@ -20,6 +19,7 @@
 #include "oasiskv/concepts/two_stage_summary.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 #include "oasiskv/predictor/aggregation.hpp"
 #include "oasiskv/predictor/block_selector.hpp"
 
@@ -182,7 +182,7 @@ class summary_scoring_predictor {
     }
     const std::uint32_t capacity = in.summaries->capacity();
     // The largest id first (one vector pass); the offending index only on failure.
-    const std::uint32_t top = blocks == 0 ? 0 : detail::entry_id_stats_of(in.summary_ids).top;
+    const std::uint32_t top = blocks == 0 ? 0 : cpu::detail::entry_id_stats_of(in.summary_ids).top;
     if (top >= capacity) [[unlikely]] {
       for (std::uint32_t i = 0; i < blocks; ++i) {
         if (in.summary_ids[i] >= capacity) {

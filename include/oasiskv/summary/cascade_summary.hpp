@@ -23,9 +23,9 @@
 #include "oasiskv/concepts/two_stage_summary.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/core/isa.hpp"
 #include "oasiskv/core/layout.hpp"
-#include "oasiskv/predictor/select_kernels.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/top_k.hpp"
 #include "oasiskv/summary/quantized_key_summary.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
 
@@ -119,7 +119,7 @@ void pick_contenders(const Coarse& coarse, cpu_isa isa, std::uint32_t h,
     }
   }
   s.picked.clear();
-  keep_top(isa, s.bound.data(), m, c, 0, s.ranked, s.pool, s.picked);
+  cpu::detail::keep_top(isa, s.bound.data(), m, c, 0, s.ranked, s.pool, s.picked);
   s.ids.resize(s.picked.size());
   for (std::size_t j = 0; j < s.picked.size(); ++j) {
     s.ids[j] = entries[s.picked[j]];

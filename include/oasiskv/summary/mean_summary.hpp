@@ -13,7 +13,7 @@
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
-#include "oasiskv/summary/cpu/simd_math.hpp"
+#include "oasiskv/cpu/math.hpp"
 #include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {
@@ -126,7 +126,8 @@ class mean_summary {
     for (const std::uint32_t b : entries) {
       check_entry(b);
     }
-    detail::dot_entries(isa_, entry(h, 0), layout_.head_dim, entries, q, n, layout_.head_dim, out);
+    cpu::detail::dot_entries(isa_, entry(h, 0), layout_.head_dim, entries, q, n, layout_.head_dim,
+                             out);
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const std::uint32_t c = tokens_[entries[i]];
       const float inv = c == 0 ? 0.0f : 1.0f / static_cast<float>(c);

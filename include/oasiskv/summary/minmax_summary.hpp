@@ -16,8 +16,8 @@
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/layout.hpp"
-#include "oasiskv/summary/cpu/simd_math.hpp"
-#include "oasiskv/summary/minmax_kernels.hpp"
+#include "oasiskv/cpu/math.hpp"
+#include "oasiskv/summary/cpu/minmax.hpp"
 #include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {
@@ -32,7 +32,7 @@ namespace oasiskv {
 //! `Storage`'s range stores an infinite bound, and a query meeting it scores `+inf` (the block is
 //! always chosen) rather than NaN. An entry with no tokens scores `-inf`.
 //!
-//! Entries are stored in tiles of 16, interleaved per dimension (`detail::minmax_tile_at`), so
+//! Entries are stored in tiles of 16, interleaved per dimension (`cpu::detail::minmax_tile_at`), so
 //! scoring multiplies one dimension of 16 entries per instruction and needs no horizontal sums.
 //!
 //! Models `block_summary`. Memory: `num_kv_heads * 2 * head_dim * sizeof(Storage) + 6` bytes per
@@ -44,7 +44,7 @@ class minmax_summary {
   static_assert(std::is_same_v<Storage, f16> || std::is_same_v<Storage, bf16> ||
                     std::is_same_v<Storage, float>,
                 "oasiskv: minmax_summary<Storage> needs Storage in {f16, bf16, float}");
-  static constexpr std::uint32_t lanes = detail::minmax_tile_lanes;
+  static constexpr std::uint32_t lanes = cpu::detail::minmax_tile_lanes;
 
  public:
   using storage_type = Storage;
@@ -133,13 +133,13 @@ class minmax_summary {
           Storage& lo = at(h, b, 1, x);
           for (std::uint32_t t = first; t < first + count; ++t) {
             const float v = to_float(keys[std::size_t{t} * d + x]);
-            if (v > detail::widen(hi)) {
-              hi = detail::round_up<Storage>(v);
-              saturated_ |= detail::widen(hi) == std::numeric_limits<float>::infinity();
+            if (v > cpu::detail::widen(hi)) {
+              hi = cpu::detail::round_up<Storage>(v);
+              saturated_ |= cpu::detail::widen(hi) == std::numeric_limits<float>::infinity();
             }
-            if (v < detail::widen(lo)) {
-              lo = detail::round_down<Storage>(v);
-              saturated_ |= detail::widen(lo) == -std::numeric_limits<float>::infinity();
+            if (v < cpu::detail::widen(lo)) {
+              lo = cpu::detail::round_down<Storage>(v);
+              saturated_ |= cpu::detail::widen(lo) == -std::numeric_limits<float>::infinity();
             }
           }
         }
@@ -182,9 +182,10 @@ class minmax_summary {
           if constexpr (std::is_same_v<Storage, f16>) {
             out = w.to_float() == v ? w : from_float<f16>(v);
           } else {
-            out = which == 0 ? detail::round_up<Storage>(v) : detail::round_down<Storage>(v);
+            out = which == 0 ? cpu::detail::round_up<Storage>(v)
+                             : cpu::detail::round_down<Storage>(v);
           }
-          saturated_ |= detail::widen(out) == inf || detail::widen(out) == -inf;
+          saturated_ |= cpu::detail::widen(out) == inf || cpu::detail::widen(out) == -inf;
         }
       }
     }
@@ -196,14 +197,14 @@ class minmax_summary {
   //! `entries[i]` of KV head `h`. One pass over the entries serves all `n` rows.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
              std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, detail::score_sink::entry_major(out, n));
+    score_into(h, entries, q, n, cpu::detail::score_sink::entry_major(out, n));
   }
 
   //! @brief `score` transposed: `out[r * entries.size() + i]`, the layout the predictor's
   //! aggregations read (see `row_scoring_summary`), written straight from the kernel's tiles.
   void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
                   std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, detail::score_sink::row_major(out, entries.size()));
+    score_into(h, entries, q, n, cpu::detail::score_sink::row_major(out, entries.size()));
   }
 
   //! @brief The stored bounds of entry `b`, KV head `h`: `[max (head_dim)][min (head_dim)]`, a
@@ -224,7 +225,7 @@ class minmax_summary {
 
  private:
   void score_into(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
-                  std::uint32_t n, const detail::score_sink& sink) const {
+                  std::uint32_t n, const cpu::detail::score_sink& sink) const {
     if (h >= layout_.num_kv_heads) [[unlikely]] {
       detail::raise(errc::out_of_range, "minmax_summary::score: kv head ", h,
                     " >= num_kv_heads = ", layout_.num_kv_heads);
@@ -235,7 +236,7 @@ class minmax_summary {
     if (q == nullptr || sink.out == nullptr) [[unlikely]] {
       detail::raise(errc::invalid_argument, "minmax_summary::score: null query or output");
     }
-    const bool contiguous = detail::check_entry_ids(entries, capacity_, "minmax_summary");
+    const bool contiguous = cpu::detail::check_entry_ids(entries, capacity_, "minmax_summary");
     const std::uint32_t d = layout_.head_dim;
     const Storage* tiles = bounds_.data() + std::size_t{h} * tiles_ * tile_elems_;
     // The bound is q+ . max + q- . min, one of whose terms is zero per dimension: split once
@@ -251,8 +252,8 @@ class minmax_summary {
         sr[d + x] = qr[x] < 0.0f ? qr[x] : 0.0f;
       }
     }
-    detail::minmax_score_tiles(isa_, tiles, bias_.data(), d, entries, contiguous, split.data(), n,
-                               sink);
+    cpu::detail::minmax_score_tiles(isa_, tiles, bias_.data(), d, entries, contiguous, split.data(),
+                                    n, sink);
     if (saturated_) {  // only then can 0 * inf make NaN: an overflowed bound, keep it
       for (std::size_t i = 0; i < entries.size(); ++i) {
         for (std::uint32_t r = 0; r < n; ++r) {
@@ -269,12 +270,12 @@ class minmax_summary {
   // through memory.
   Storage& at(std::uint32_t h, std::uint32_t b, std::uint32_t which, std::uint32_t x) noexcept {
     return bounds_[(std::size_t{h} * tiles_ + b / lanes) * tile_elems_ +
-                   detail::minmax_tile_at<Storage>(x, which, b % lanes)];
+                   cpu::detail::minmax_tile_at<Storage>(x, which, b % lanes)];
   }
   const Storage& at(std::uint32_t h, std::uint32_t b, std::uint32_t which,
                     std::uint32_t x) const noexcept {
     return bounds_[(std::size_t{h} * tiles_ + b / lanes) * tile_elems_ +
-                   detail::minmax_tile_at<Storage>(x, which, b % lanes)];
+                   cpu::detail::minmax_tile_at<Storage>(x, which, b % lanes)];
   }
   void check_entry(std::uint32_t b) const {
     if (b >= capacity_) [[unlikely]] {

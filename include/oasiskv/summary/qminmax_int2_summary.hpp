@@ -18,8 +18,8 @@
 
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/core/isa.hpp"
 #include "oasiskv/core/layout.hpp"
+#include "oasiskv/cpu/isa.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/cpu/int2_codes.hpp"
 #include "oasiskv/summary/quantized_minmax_summary.hpp"
@@ -65,7 +65,7 @@ namespace oasiskv {
 //! `std::exp`). Concurrent scoring calls are safe;
 //! `update`, `reset` and `grow` need exclusive access.
 class qminmax_int2_summary {
-  static constexpr std::uint32_t lanes = detail::int2_lanes;
+  static constexpr std::uint32_t lanes = cpu::detail::int2_lanes;
   static constexpr const char* name = "qminmax_int2_summary";
 
  public:
@@ -208,7 +208,8 @@ class qminmax_int2_summary {
       std::vector<float> lo(d), step(d);
       range(h, b, lo.data(), step.data());
       for (std::uint32_t x = 0; x < d; ++x) {
-        k[x] = detail::int2_value(lo[x], step[x], detail::int2_code(codes_of(h, b), groups_, x, t));
+        k[x] = cpu::detail::int2_value(lo[x], step[x],
+                                       cpu::detail::int2_code(codes_of(h, b), groups_, x, t));
       }
     } else if (const auto it = open_.find(b); it != open_.end() && it->second.present[t]) {
       std::copy_n(it->second.key(h, t, layout_), d, k.data());
@@ -356,7 +357,7 @@ class qminmax_int2_summary {
           if (t >= first && t < first + count) {
             v = fresh[(std::size_t{h} * count + (t - first)) * d + x];
           } else if (moved) {
-            v = detail::int2_value(l0, s0, detail::int2_code(words, groups_, x, t));
+            v = cpu::detail::int2_value(l0, s0, cpu::detail::int2_code(words, groups_, x, t));
           } else {
             continue;
           }
@@ -424,21 +425,17 @@ class qminmax_int2_summary {
     if (q == nullptr || out == nullptr) [[unlikely]] {
       detail::raise(errc::invalid_argument, name, "::", what, ": null query or output");
     }
-    detail::check_entry_ids(entries, capacity_, name);
+    cpu::detail::check_entry_ids(entries, capacity_, name);
     constexpr float inf = std::numeric_limits<float>::infinity();
     const std::uint32_t d = layout_.head_dim, tpb = layout_.tokens_per_block;
     thread_local std::vector<float> lo, step, dots;
     thread_local std::vector<std::uint32_t> bound;
-    thread_local detail::int2_query z;
+    thread_local cpu::detail::int2_query z;
     lo.resize(d);
     step.resize(d);
     bound.resize(d / 2);
     dots.resize(std::size_t{n} * std::max(groups_ * lanes, tpb));
-#if OASISKV_X86_KERNELS
-    // The integer kernel: one group of codes, a head dimension its buffers take, finite rows.
-    const bool integer = vnni_ && groups_ == 1 && d % 32 == 0 && d <= detail::int2_vnni_max_dim &&
-                         detail::int2_quantize_query(q, n, d, z);
-#endif
+    const bool integer = cpu::detail::int2_prepare_integer(vnni_, groups_, d, q, n, z);
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const std::uint32_t b = entries[i];
       float* o = out + i * n;
@@ -447,16 +444,14 @@ class qminmax_int2_summary {
       } else if (bad_[b] != 0) {
         std::fill(o, o + n, inf);
       } else if (tokens_[b] == tpb) {
-#if OASISKV_X86_KERNELS
         if (integer) {
           const float s = bounds_.bound_words(h, b, bound.data());
-          detail::int2_block_rows_vnni(codes_of(h, b), bound.data(), s, tpb, z, scale, o);
+          cpu::detail::int2_score_integer(codes_of(h, b), bound.data(), s, tpb, z, scale, o);
           continue;
         }
-#endif
         range(h, b, lo.data(), step.data());
-        detail::int2_score_entry(isa_, codes_of(h, b), groups_, lo.data(), step.data(), d, tpb, q,
-                                 n, scale, dots.data(), o);
+        cpu::detail::int2_score_entry(isa_, codes_of(h, b), groups_, lo.data(), step.data(), d, tpb,
+                                      q, n, scale, dots.data(), o);
       } else {
         score_open(h, open_.at(b), q, n, scale, dots.data(), o);
       }
@@ -482,7 +477,7 @@ class qminmax_int2_summary {
         }
         v[k++] = s;
       }
-      o[r] = detail::int2_reduce_scalar(v, k, scale);
+      o[r] = cpu::detail::int2_reduce_scalar(v, k, scale);
     }
   }
 

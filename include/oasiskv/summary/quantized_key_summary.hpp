@@ -15,10 +15,10 @@
 
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/core/isa.hpp"
 #include "oasiskv/core/layout.hpp"
-#include "oasiskv/summary/minmax_kernels.hpp"
-#include "oasiskv/summary/quantized_kernels.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/summary/cpu/qkey.hpp"
+#include "oasiskv/summary/cpu/tiles.hpp"
 #include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {
@@ -49,7 +49,7 @@ namespace oasiskv {
 template <int Bits>
 class quantized_key_summary {
   static_assert(Bits == 8 || Bits == 4, "quantized_key_summary stores int8 or int4 codes");
-  static constexpr std::uint32_t lanes = detail::qkey_lanes;
+  static constexpr std::uint32_t lanes = cpu::detail::qkey_lanes;
 
  public:
   static constexpr int bits = Bits;
@@ -69,7 +69,7 @@ class quantized_key_summary {
     code_bytes_ = std::size_t{layout_.head_dim} * tp_ * Bits / 8;
     const std::size_t entries = std::size_t{layout_.num_kv_heads} * capacity_;
     codes_.assign(entries * code_bytes_, 0);
-    scales_.assign(entries * tp_, detail::qkey_absent);
+    scales_.assign(entries * tp_, cpu::detail::qkey_absent);
     tokens_.assign(capacity_, 0);
   }
 
@@ -83,7 +83,7 @@ class quantized_key_summary {
     auto codes = detail::regrow_parts(codes_, heads, capacity_ * code_bytes_,
                                       capacity * code_bytes_, std::uint8_t{0});
     auto scales = detail::regrow_parts(scales_, heads, std::size_t{capacity_} * tp_,
-                                       std::size_t{capacity} * tp_, detail::qkey_absent);
+                                       std::size_t{capacity} * tp_, cpu::detail::qkey_absent);
     auto tokens = detail::regrow(tokens_, capacity, std::uint16_t{0});
     codes_ = std::move(codes);
     scales_ = std::move(scales);
@@ -110,7 +110,7 @@ class quantized_key_summary {
     check_entry(b);
     for (std::uint32_t h = 0; h < layout_.num_kv_heads; ++h) {
       std::memset(codes_of(h, b), 0, code_bytes_);
-      std::fill_n(scales_of(h, b), tp_, detail::qkey_absent);
+      std::fill_n(scales_of(h, b), tp_, cpu::detail::qkey_absent);
     }
     tokens_[b] = 0;
   }
@@ -128,7 +128,7 @@ class quantized_key_summary {
     const float* s0 = scales_of(0, b);
     std::uint32_t added = 0;
     for (std::uint32_t t = first; t < first + count; ++t) {
-      added += s0[t] == detail::qkey_absent ? 1u : 0u;
+      added += s0[t] == cpu::detail::qkey_absent ? 1u : 0u;
     }
     visit_dtype(layout_.kv_dtype, [&](auto elem) {
       using T = decltype(elem);
@@ -195,11 +195,11 @@ class quantized_key_summary {
     }
     std::vector<float> k(layout_.head_dim, 0.0f);
     const float s = scales_of(h, b)[t];
-    if (s == detail::qkey_absent) {
+    if (s == cpu::detail::qkey_absent) {
       return k;
     }
     for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
-      k[x] = static_cast<float>(detail::qkey_code<Bits>(codes_of(h, b), tp_, x, t)) * s;
+      k[x] = static_cast<float>(cpu::detail::qkey_code<Bits>(codes_of(h, b), tp_, x, t)) * s;
     }
     return k;
   }
@@ -218,7 +218,7 @@ class quantized_key_summary {
     if (q == nullptr || out == nullptr) [[unlikely]] {
       detail::raise(errc::invalid_argument, name, "::", what, ": null query or output");
     }
-    detail::check_entry_ids(entries, capacity_, name);
+    cpu::detail::check_entry_ids(entries, capacity_, name);
     const std::uint32_t d = layout_.head_dim;
     constexpr float inf = std::numeric_limits<float>::infinity();
     thread_local std::vector<float> dots;  // [n][tp]
@@ -230,8 +230,8 @@ class quantized_key_summary {
         std::fill(o, o + n, -inf);
         continue;
       }
-      detail::qkey_score_entry<Bits>(isa_, codes_of(h, b), scales_of(h, b), d, tp_, q, n, scale,
-                                     dots.data(), o);
+      cpu::detail::qkey_score_entry<Bits>(isa_, codes_of(h, b), scales_of(h, b), d, tp_, q, n,
+                                          scale, dots.data(), o);
     }
   }
 

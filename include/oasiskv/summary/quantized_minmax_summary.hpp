@@ -15,10 +15,10 @@
 
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/core/error.hpp"
-#include "oasiskv/core/isa.hpp"
 #include "oasiskv/core/layout.hpp"
-#include "oasiskv/summary/minmax_kernels.hpp"
-#include "oasiskv/summary/quantized_kernels.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/summary/cpu/qminmax.hpp"
+#include "oasiskv/summary/cpu/tiles.hpp"
 #include "oasiskv/summary/summary_checks.hpp"
 
 namespace oasiskv {
@@ -51,7 +51,7 @@ namespace oasiskv {
 //! other path runs the scalar one (same integers, same result up to f32 rounding). Concurrent
 //! `score` calls are safe.
 class quantized_minmax_summary {
-  static constexpr std::uint32_t lanes = detail::qminmax_lanes;
+  static constexpr std::uint32_t lanes = cpu::detail::qminmax_lanes;
   static constexpr int min_exponent = -126;
 
  public:
@@ -246,8 +246,8 @@ class quantized_minmax_summary {
     const float s = scale_[slot(h, b)];
     const std::int8_t* tile = codes_.data() + (std::size_t{h} * tiles_ + b / lanes) * tile_bytes_;
     for (std::uint32_t x = 0; x < layout_.head_dim; ++x) {
-      hi[x] = static_cast<float>(tile[detail::qminmax_at(x, 0, b % lanes)]) * s;
-      lo[x] = -static_cast<float>(tile[detail::qminmax_at(x, 1, b % lanes)]) * s;
+      hi[x] = static_cast<float>(tile[cpu::detail::qminmax_at(x, 0, b % lanes)]) * s;
+      lo[x] = -static_cast<float>(tile[cpu::detail::qminmax_at(x, 1, b % lanes)]) * s;
     }
   }
 
@@ -264,7 +264,7 @@ class quantized_minmax_summary {
     }
     const std::int8_t* tile = codes_.data() + (std::size_t{h} * tiles_ + b / lanes) * tile_bytes_;
     for (std::uint32_t p = 0; p < layout_.head_dim / 2; ++p) {
-      std::memcpy(words + p, tile + detail::qminmax_at(2 * p, 0, b % lanes), 4);
+      std::memcpy(words + p, tile + cpu::detail::qminmax_at(2 * p, 0, b % lanes), 4);
     }
     return scale_[slot(h, b)];
   }
@@ -293,18 +293,18 @@ class quantized_minmax_summary {
   //! `entries[i]` of KV head `h`.
   void score(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
              std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, detail::score_sink::entry_major(out, n));
+    score_into(h, entries, q, n, cpu::detail::score_sink::entry_major(out, n));
   }
 
   //! @brief `score` transposed: `out[r * entries.size() + i]` (see `row_scoring_summary`).
   void score_rows(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
                   std::uint32_t n, float* out) const {
-    score_into(h, entries, q, n, detail::score_sink::row_major(out, entries.size()));
+    score_into(h, entries, q, n, cpu::detail::score_sink::row_major(out, entries.size()));
   }
 
  private:
   void score_into(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
-                  std::uint32_t n, const detail::score_sink& sink) const {
+                  std::uint32_t n, const cpu::detail::score_sink& sink) const {
     if (h >= layout_.num_kv_heads) [[unlikely]] {
       detail::raise(errc::out_of_range, "quantized_minmax_summary::score: kv head ", h,
                     " >= num_kv_heads = ", layout_.num_kv_heads);
@@ -316,7 +316,8 @@ class quantized_minmax_summary {
       detail::raise(errc::invalid_argument,
                     "quantized_minmax_summary::score: null query or output");
     }
-    const bool contiguous = detail::check_entry_ids(entries, capacity_, "quantized_minmax_summary");
+    const bool contiguous =
+        cpu::detail::check_entry_ids(entries, capacity_, "quantized_minmax_summary");
     const std::uint32_t d = layout_.head_dim, pairs = d / 2;
     thread_local std::vector<std::uint32_t> qw;
     thread_local std::vector<float> row;  // [t (n)][slack (n)]
@@ -350,23 +351,23 @@ class quantized_minmax_summary {
     std::size_t i = 0;
     while (i < entries.size()) {
       const std::uint32_t b = entries[i], lane0 = b % lanes;
-      const std::uint32_t m = detail::tile_run(entries, i, contiguous, lanes);
+      const std::uint32_t m = cpu::detail::tile_run(entries, i, contiguous, lanes);
       const std::size_t tile = std::size_t{h} * tiles_ + b / lanes;
       const std::int8_t* codes = codes_.data() + tile * tile_bytes_;
       const float* sc = scale_.data() + tile * lanes;
       const float* nm = norm_.data() + tile * lanes;
       const float* bs = bias_.data() + std::size_t{b / lanes} * lanes;
       // Ids sharing this tile without being consecutive: one pass over the whole tile.
-      const std::size_t j = contiguous ? 0 : detail::same_tile_end(entries, i, m, lanes);
-      auto run = [&](std::uint32_t from, std::uint32_t count, const detail::score_sink& to,
+      const std::size_t j = contiguous ? 0 : cpu::detail::same_tile_end(entries, i, m, lanes);
+      auto run = [&](std::uint32_t from, std::uint32_t count, const cpu::detail::score_sink& to,
                      std::size_t i0) {
-        detail::qminmax_run(vnni_, codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
-                            row.data() + n, n, to, i0);
+        cpu::detail::qminmax_run(vnni_, codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
+                                 row.data() + n, n, to, i0);
       };
       if (j != 0) {
         all.resize(std::size_t{lanes} * n);
-        run(0, lanes, detail::score_sink::entry_major(all.data(), n), 0);
-        detail::pick_lanes(all.data(), entries, i, j, lanes, n, sink);
+        run(0, lanes, cpu::detail::score_sink::entry_major(all.data(), n), 0);
+        cpu::detail::pick_lanes(all.data(), entries, i, j, lanes, n, sink);
         i = j;
         continue;
       }
@@ -419,7 +420,7 @@ class quantized_minmax_summary {
 
   std::int8_t& code(std::uint32_t h, std::uint32_t b, std::uint32_t which, std::uint32_t x) {
     return codes_[(std::size_t{h} * tiles_ + b / lanes) * tile_bytes_ +
-                  detail::qminmax_at(x, which, b % lanes)];
+                  cpu::detail::qminmax_at(x, which, b % lanes)];
   }
   std::size_t slot(std::uint32_t h, std::uint32_t b) const noexcept {
     return std::size_t{h} * tiles_ * lanes + b;

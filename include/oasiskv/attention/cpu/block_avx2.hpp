@@ -14,11 +14,13 @@
 
 #include "oasiskv/attention/cpu/row_state.hpp"
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 
 #if OASISKV_X86_KERNELS
 
-namespace oasiskv::cpu::impl::avx2 {
+#include "oasiskv/cpu/kernel_begin.hpp"
+
+namespace oasiskv::cpu::detail::avx2 {
 
 OASISKV_TARGET_AVX2 inline __m256 load8(const float* p) {
   return _mm256_loadu_ps(p);
@@ -280,6 +282,7 @@ OASISKV_TARGET_AVX2 void block(const row_state& st, const block_span& b) {
   }
 }
 
-}  // namespace oasiskv::cpu::impl::avx2
+}  // namespace oasiskv::cpu::detail::avx2
 
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

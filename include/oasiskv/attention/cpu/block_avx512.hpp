@@ -25,19 +25,13 @@
 #include "oasiskv/attention/cpu/range.hpp"
 #include "oasiskv/attention/cpu/row_state.hpp"
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 
 #if OASISKV_X86_KERNELS
 
-// gcc 12 before 12.3 (PR 105593) flags the `__m512 __Y = __Y;` inside its own
-// _mm512_undefined_* helpers as maybe-uninitialized once they are inlined here.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "oasiskv/cpu/kernel_begin.hpp"
 
-namespace oasiskv::cpu::impl::avx512 {
+namespace oasiskv::cpu::detail::avx512 {
 
 // 16 elements of T at p, widened to f32.
 OASISKV_TARGET_AVX512 inline __m512 load16(const float* p) {
@@ -419,10 +413,8 @@ OASISKV_TARGET_AVX512 void range(const item_span& a) {
   }
 }
 
-}  // namespace oasiskv::cpu::impl::avx512
+}  // namespace oasiskv::cpu::detail::avx512
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "oasiskv/cpu/kernel_end.hpp"
 
 #endif  // OASISKV_X86_KERNELS

@@ -12,7 +12,7 @@
 #include "oasiskv/config.hpp"
 #include "oasiskv/core/dtype.hpp"
 
-namespace oasiskv::cpu::impl {
+namespace oasiskv::cpu::detail {
 
 //! @brief `block_fn` for element type `T`; `D` is the head dim, or 0 for "read it at run time"
 //! (the compile-time value lets the compiler unroll and vectorise the inner loops).
@@ -69,4 +69,4 @@ void block_scalar(const row_state& st, const block_span& b) {
   }
 }
 
-}  // namespace oasiskv::cpu::impl
+}  // namespace oasiskv::cpu::detail

@@ -15,7 +15,7 @@
 #include "oasiskv/core/ids.hpp"
 #include "oasiskv/core/views.hpp"
 
-namespace oasiskv::cpu::impl {
+namespace oasiskv::cpu::detail {
 
 //! @brief Entries `[begin, end)` of one block table, for KV heads `[head, head + heads)` of one
 //! sequence of `len` tokens whose last `q_len` tokens are the queries. `states[hi]` is head
@@ -89,4 +89,4 @@ void range_blocks(const item_span& a) {
   }
 }
 
-}  // namespace oasiskv::cpu::impl
+}  // namespace oasiskv::cpu::detail

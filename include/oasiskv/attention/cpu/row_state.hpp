@@ -14,7 +14,7 @@
 
 namespace oasiskv::cpu {
 
-namespace impl {
+namespace detail {
 
 inline constexpr float log2e = 1.44269504088896340736f;
 inline constexpr float ln2 = 0.69314718055994530942f;
@@ -91,7 +91,7 @@ class aligned_floats {
   std::unique_ptr<float[], deleter> data_;
 };
 
-}  // namespace impl
+}  // namespace detail
 
 //! @brief Merges partial attention results over disjoint token sets in place: row `r` of
 //! (`out`, `lse`) becomes the result over both sets, given row `r` of (`other_out`, `other_lse`).

@@ -11,19 +11,16 @@
 #include <utility>
 
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/summary/cpu/math_avx2.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math_avx2.hpp"
 #include "oasiskv/summary/cpu/minmax_layout.hpp"
+#include "oasiskv/summary/cpu/tiles.hpp"
 
 #if OASISKV_X86_KERNELS
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "oasiskv/cpu/kernel_begin.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 // The maximum and minimum of lanes [8 * half, 8 * half + 8) of one dimension of a tile (at `t`).
 OASISKV_TARGET_AVX2 inline void load_bounds8(const float* t, std::uint32_t half, __m256& mx,
@@ -136,9 +133,7 @@ OASISKV_TARGET_AVX2 void minmax_run_avx2(const S* tile, const float* bias, std::
   }
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

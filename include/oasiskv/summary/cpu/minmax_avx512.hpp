@@ -11,19 +11,16 @@
 #include <utility>
 
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/summary/cpu/math_avx512.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math_avx512.hpp"
 #include "oasiskv/summary/cpu/minmax_layout.hpp"
+#include "oasiskv/summary/cpu/tiles.hpp"
 
 #if OASISKV_X86_KERNELS
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "oasiskv/cpu/kernel_begin.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 // The maximum and minimum of one dimension of a tile (at `t`, its 16 entries), widened to f32.
 OASISKV_TARGET_AVX512 inline void load_bounds16(const float* t, __m512& mx, __m512& mn) {
@@ -155,9 +152,7 @@ OASISKV_TARGET_AVX512 void minmax_run_avx512(const S* tile, const float* bias, s
   }
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

@@ -6,13 +6,12 @@
 //! 16 entries) with no horizontal reduction. Of a dimension's two bounds a row needs one (the
 //! maximum where its query is >= 0, the minimum where it is negative); the vector kernels visit
 //! the dimensions grouped by which rows are negative (`minmax_row_plan`), so that choice is
-//! fixed per group. Also `score_sink`, where every tiled kernel writes its scores.
+//! fixed per group. Also the outward rounding of the stored bounds.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <iterator>
 #include <span>
 #include <type_traits>
@@ -20,46 +19,47 @@
 
 #include "oasiskv/core/dtype.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 //! @brief Entries per tile: one AVX-512 vector of f32 lanes.
 inline constexpr std::uint32_t minmax_tile_lanes = 16;
 
-//! @brief Where a tiled scoring kernel writes the score of entry `i` (of the call's entry list)
-//! for query row `r`: `out[i * block_stride + r * row_stride]`. Entry-major (`score`'s
-//! `[entries][rows]`) or row-major (`score_rows`' `[rows][entries]`, what the aggregations read:
-//! no transpose between the kernel and the softmax).
-struct score_sink {
-  float* out = nullptr;
-  std::size_t block_stride = 0;
-  std::size_t row_stride = 0;
+// f16 and bf16 are both sign-magnitude, so the neighbouring value is one step of the bits.
+template <class S>
+constexpr S next_toward_pos_inf(S r) noexcept {
+  if (r.bits == 0x0000u || r.bits == 0x8000u) {
+    return S{0x0001u};
+  }
+  return S{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits - 1u : r.bits + 1u)};
+}
+template <class S>
+constexpr S next_toward_neg_inf(S r) noexcept {
+  if (r.bits == 0x0000u || r.bits == 0x8000u) {
+    return S{0x8001u};
+  }
+  return S{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits + 1u : r.bits - 1u)};
+}
 
-  static score_sink entry_major(float* out, std::uint32_t rows) noexcept { return {out, rows, 1}; }
-  static score_sink row_major(float* out, std::size_t entries) noexcept {
-    return {out, 1, entries};
+//! @brief The least `S` not below `x`: a stored maximum must never shrink, or the bound breaks.
+template <class S>
+constexpr S round_up(float x) noexcept {
+  if constexpr (std::is_same_v<S, float>) {
+    return x;
+  } else {
+    const S r = S::from_float(x);
+    return r.to_float() < x ? next_toward_pos_inf(r) : r;
   }
-  float& at(std::size_t i, std::uint32_t r) const noexcept {
-    return out[i * block_stride + r * row_stride];
+}
+//! @brief The greatest `S` not above `x`.
+template <class S>
+constexpr S round_down(float x) noexcept {
+  if constexpr (std::is_same_v<S, float>) {
+    return x;
+  } else {
+    const S r = S::from_float(x);
+    return r.to_float() > x ? next_toward_neg_inf(r) : r;
   }
-  //! @brief Entries `i0 + k` (k < count) of rows `r0 + r` (r < rows) from a tile's results
-  //! `res[r * lanes + lane0 + k]`.
-  void put(const float* res, std::uint32_t lanes, std::uint32_t lane0, std::uint32_t count,
-           std::uint32_t r0, std::uint32_t rows, std::size_t i0) const noexcept {
-    if (block_stride == 1) {
-      for (std::uint32_t r = 0; r < rows; ++r) {
-        std::memcpy(out + (r0 + r) * row_stride + i0, res + std::size_t{r} * lanes + lane0,
-                    count * sizeof(float));
-      }
-      return;
-    }
-    for (std::uint32_t k = 0; k < count; ++k) {
-      float* o = out + (i0 + k) * block_stride + r0 * row_stride;
-      for (std::uint32_t r = 0; r < rows; ++r) {
-        o[r * row_stride] = res[std::size_t{r} * lanes + lane0 + k];
-      }
-    }
-  }
-};
+}
 
 //! @brief Where (dimension `x`, bound `which`: 0 = max, 1 = min, lane `j`) lives in a tile of
 //! `2 * head_dim * 16` elements. bf16 tiles pair each lane's max and min in one 32-bit word,
@@ -149,4 +149,4 @@ class minmax_row_plan {
   std::vector<std::uint8_t> pattern_;
 };
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail

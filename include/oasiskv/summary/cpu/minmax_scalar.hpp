@@ -7,10 +7,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/summary/cpu/math_scalar.hpp"
+#include "oasiskv/cpu/math_scalar.hpp"
 #include "oasiskv/summary/cpu/minmax_layout.hpp"
+#include "oasiskv/summary/cpu/tiles.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 // Lanes [lane0, lane0 + count) of one tile against every row of `split` ([n][q+ (d)][q- (d)]);
 // writes entries i0 + k of `out`.
@@ -37,4 +38,4 @@ void minmax_lanes_scalar(const S* tile, const float* bias, std::uint32_t d, std:
   }
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The AVX2 + FMA kernel of `quantized_key_summary` (see `qkey_scalar.hpp` for the code
-//! layout): 16 tokens x up to 4 query rows per pass in registers, and a vectorised epilogue with
-//! the polynomial `exp` of `math_avx2.hpp`. Compiled with `OASISKV_TARGET_AVX2`, chosen at run
-//! time; the summary's `avx512` path runs it too.
+//! @brief The AVX2 + FMA kernel of `quantized_key_summary` (codes: `qkey_layout.hpp`): 16 tokens x
+//! up to 4 query rows per pass in registers, and a vectorised epilogue with the polynomial `exp` of
+//! `math_avx2.hpp`. Compiled with `OASISKV_TARGET_AVX2`, chosen at run time; the summary's `avx512`
+//! path runs it too.
 #pragma once
 
 #include <cmath>
@@ -11,13 +11,15 @@
 #include <cstdint>
 #include <limits>
 
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/summary/cpu/math_avx2.hpp"
-#include "oasiskv/summary/cpu/qkey_scalar.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math_avx2.hpp"
+#include "oasiskv/summary/cpu/qkey_layout.hpp"
 
 #if OASISKV_X86_KERNELS
 
-namespace oasiskv::detail {
+#include "oasiskv/cpu/kernel_begin.hpp"
+
+namespace oasiskv::cpu::detail {
 
 // 16 codes of one dimension as two vectors of 8 floats.
 template <int Bits>
@@ -137,6 +139,7 @@ OASISKV_TARGET_AVX2 inline float qkey_reduce_avx2(float* v, const float* sc, std
   return mx + std::log(_mm_cvtss_f32(h)) / scale;
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
 
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The code layout of `quantized_key_summary` and its portable scoring kernel: the raw
-//! dot products of query rows with one (entry, KV head)'s int8 / int4 codes, and the epilogue
-//! that dequantizes them into the max or the scaled log-sum-exp. Plain C++ for machines (or
-//! builds) without the x86 SIMD paths, and the yardstick they are tested against.
+//! @brief The portable scoring kernel of `quantized_key_summary` (codes: `qkey_layout.hpp`):
+//! the raw dot products of query rows with one (entry, KV head)'s int8 / int4 codes, and the
+//! epilogue that dequantizes them into the max or the scaled log-sum-exp. Plain C++ for
+//! machines (or builds) without the x86 SIMD paths, and the yardstick they are tested against.
 #pragma once
 
 #include <algorithm>
@@ -13,30 +13,11 @@
 #include <limits>
 #include <vector>
 
-namespace oasiskv::detail {
+#include "oasiskv/summary/cpu/qkey_layout.hpp"
 
-// Tokens are stored in lanes of 16 (codes of one dimension for 16 tokens: 16 bytes in int8, 8
-// in int4), so one dimension of a lane group widens to two vectors of 8 floats.
-inline constexpr std::uint32_t qkey_lanes = 16;
+namespace oasiskv::cpu::detail {
 
-// Per-token scale sentinels: a token not (yet) folded in, and a token whose key is not finite.
-inline constexpr float qkey_absent = -1.0f;
-
-// The raw dot products `dots[r][t] = sum_x q[r][x] * code[x][t]` of one (entry, KV head):
-// `codes` is `[head_dim][tp]` int8, or `[head_dim][tp / 2]` bytes of two int4 codes (token 2i in
-// the low nibble) for Bits == 4.
-template <int Bits>
-inline std::int32_t qkey_code(const std::uint8_t* codes, std::uint32_t tp, std::uint32_t x,
-                              std::uint32_t t) noexcept {
-  if constexpr (Bits == 8) {
-    return static_cast<std::int8_t>(codes[std::size_t{x} * tp + t]);
-  } else {
-    const std::uint32_t byte = codes[std::size_t{x} * (tp / 2) + t / 2];
-    const std::uint32_t nib = (t % 2 == 0 ? byte : byte >> 4) & 0xfu;
-    return static_cast<std::int32_t>(nib ^ 8u) - 8;
-  }
-}
-
+// The raw dot products `dots[r][t] = sum_x q[r][x] * code[x][t]` of one (entry, KV head).
 template <int Bits>
 inline void qkey_dots_scalar(const std::uint8_t* codes, std::uint32_t d, std::uint32_t tp,
                              const float* q, std::uint32_t n, float* dots) {
@@ -80,4 +61,4 @@ inline float qkey_reduce_scalar(float* v, const float* sc, std::uint32_t tp, flo
   return m + std::log(sum) / scale;
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail

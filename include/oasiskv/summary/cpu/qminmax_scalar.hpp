@@ -1,25 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The tile layout of `quantized_minmax_summary` and its portable scoring kernel: the
-//! integer dot products of u8 query codes with the int8 (max, -min) codes, and the f32
-//! epilogue. Plain C++ for machines without AVX512_VNNI, same integers as the VNNI kernel.
+//! @brief The portable scoring kernel of `quantized_minmax_summary` (tiles:
+//! `qminmax_layout.hpp`): the integer dot products of u8 query codes with the int8 (max, -min)
+//! codes, and the f32 epilogue. Plain C++ for machines without AVX512_VNNI, the same integers
+//! as the VNNI kernel.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/summary/cpu/minmax_layout.hpp"
+#include "oasiskv/summary/cpu/qminmax_layout.hpp"
+#include "oasiskv/summary/cpu/tiles.hpp"
 
-namespace oasiskv::detail {
-
-// Tiles of 16 entries: [dimension pair p][lane][max_2p, -min_2p, max_2p+1, -min_2p+1] int8, the
-// operand shape of vpdpbusd: one instruction multiplies both bounds of two dimensions of 16
-// entries by the matching query bytes (q+ codes, |q-| codes) and sums the four products.
-inline constexpr std::uint32_t qminmax_lanes = 16;
-
-inline std::size_t qminmax_at(std::uint32_t x, std::uint32_t which, std::uint32_t lane) noexcept {
-  return (std::size_t{x / 2} * qminmax_lanes + lane) * 4 + (x % 2) * 2 + which;
-}
+namespace oasiskv::cpu::detail {
 
 // The integer dot products of R query rows (`qw`, [R][d / 2] words of 4 u8) with a tile.
 inline void qminmax_lanes_scalar(const std::int8_t* tile, std::uint32_t d, std::uint32_t lane,
@@ -56,4 +49,4 @@ inline void qminmax_run_scalar(const std::int8_t* tile, const float* scale, cons
   }
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The portable paths of the summaries' shared math (see `simd_math.hpp`): element
+//! @brief The portable paths of the shared SIMD math (dispatched by `math.hpp`): element
 //! widening, entry dot products, the softmax helpers and entry-id statistics in plain C++, for
 //! machines (or builds) without the x86 SIMD paths, and the yardstick those are tested against.
 #pragma once
@@ -14,7 +14,7 @@
 #include "oasiskv/config.hpp"
 #include "oasiskv/core/dtype.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 //! @brief Widens a stored summary element.
 OASISKV_ALWAYS_INLINE float widen(float v) noexcept {
@@ -93,4 +93,4 @@ inline entry_id_stats entry_id_stats_scalar(std::span<const std::uint32_t> ids) 
   return {top, steps};
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The AVX-512 top-k kernel of `block_selector`: `keep_top_scalar` with 16 candidates per
+//! @brief The AVX-512 top-k kernel (see `top_k.hpp`): `keep_top_scalar` with 16 candidates per
 //! step, vector compares and compress-stores. Compiled with `OASISKV_TARGET_AVX512`, chosen at
 //! run time.
 #pragma once
@@ -12,19 +12,14 @@
 #include <limits>
 #include <vector>
 
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/summary/cpu/math_avx512.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math_avx512.hpp"
 
 #if OASISKV_X86_KERNELS
 
-// gcc 12's intrinsic headers trip these under -O2 (as in the summary kernels).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "oasiskv/cpu/kernel_begin.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 // 16 candidates from i (fewer at the tail: `valid`), NaN as +inf; lanes not valid are -inf.
 OASISKV_TARGET_AVX512 inline __m512 load_ranked(const float* cand, std::uint32_t i,
@@ -104,9 +99,7 @@ OASISKV_TARGET_AVX512 inline void keep_top_avx512(const float* cand, std::uint32
   out.resize(at + kept);
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

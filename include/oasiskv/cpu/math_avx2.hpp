@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The AVX2 + FMA + F16C paths of the summaries' shared math (see `simd_math.hpp`): f32 /
+//! @brief The AVX2 + FMA + F16C paths of the shared SIMD math (dispatched by `math.hpp`): f32 /
 //! f16 / bf16 loads, horizontal sums, entry dot products, the Cephes `exp` polynomial and the
 //! softmax helpers built on it. Compiled with `OASISKV_TARGET_AVX2`, chosen at run time.
 #pragma once
@@ -12,18 +12,13 @@
 #include <span>
 
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
+#include "oasiskv/cpu/isa.hpp"
 
 #if OASISKV_X86_KERNELS
 
-// gcc 12's intrinsic headers trip these under -O2 once inlined.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "oasiskv/cpu/kernel_begin.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 OASISKV_TARGET_AVX2 inline float hsum8(__m256 a) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -190,9 +185,7 @@ OASISKV_TARGET_AVX2 inline void add_scaled_avx2(float* acc, const float* x, floa
   }
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

@@ -1,34 +1,29 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The AVX512_VNNI kernel of `quantized_minmax_summary` (see `qminmax_scalar.hpp` for the
-//! tile layout): `vpdpbusd` multiplies both bounds of two dimensions of 16 entries by the query
-//! bytes per instruction, up to 8 rows per pass, with the f32 epilogue in vectors of 16 entries.
-//! Compiled with `OASISKV_TARGET_AVX512VNNI`, chosen at run time.
+//! @brief The AVX512_VNNI kernel of `quantized_minmax_summary` (tiles: `qminmax_layout.hpp`):
+//! `vpdpbusd` multiplies both bounds of two dimensions of 16 entries by the query bytes per
+//! instruction, up to 8 rows per pass, with the f32 epilogue in vectors of 16 entries. Compiled
+//! with `OASISKV_TARGET_AVX512VNNI`, chosen at run time.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/summary/cpu/minmax_layout.hpp"
-#include "oasiskv/summary/cpu/qminmax_scalar.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/summary/cpu/qminmax_layout.hpp"
+#include "oasiskv/summary/cpu/tiles.hpp"
 
 #if OASISKV_X86_KERNELS
 
-// gcc 12's unmasked AVX-512 intrinsics start from _mm512_undefined_*(), which -Wuninitialized
-// reports once inlined (see math_avx512.hpp).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "oasiskv/cpu/kernel_begin.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 template <int R>
-OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile, std::uint32_t d,
-                                                        const std::uint32_t* qw,
-                                                        std::int32_t* acc_out) {
+OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_avx512_vnni(const std::int8_t* tile,
+                                                               std::uint32_t d,
+                                                               const std::uint32_t* qw,
+                                                               std::int32_t* acc_out) {
   __m512i acc[2][R];
   OASISKV_UNROLL(8)
   for (int r = 0; r < R; ++r) {
@@ -58,7 +53,7 @@ OASISKV_TARGET_AVX512VNNI inline void qminmax_tile_vnni(const std::int8_t* tile,
 
 // Lanes [lane0, lane0 + count) of one tile, every row: entry i0 + k, row r of `out` =
 // dot * (scale * t[r]) + slack[r] * norm + bias, the epilogue in vectors of 16 entries.
-OASISKV_TARGET_AVX512VNNI inline void qminmax_run_vnni(
+OASISKV_TARGET_AVX512VNNI inline void qminmax_run_avx512_vnni(
     const std::int8_t* tile, const float* scale, const float* norm, const float* bias,
     std::uint32_t d, std::uint32_t lane0, std::uint32_t count, const std::uint32_t* qw,
     const float* t, const float* slack, std::uint32_t n, const score_sink& out, std::size_t i0) {
@@ -71,28 +66,28 @@ OASISKV_TARGET_AVX512VNNI inline void qminmax_run_vnni(
     const std::uint32_t* w = qw + std::size_t{r0} * (d / 2);
     switch (rows) {
       case 8:
-        qminmax_tile_vnni<8>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<8>(tile, d, w, acc);
         break;
       case 7:
-        qminmax_tile_vnni<7>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<7>(tile, d, w, acc);
         break;
       case 6:
-        qminmax_tile_vnni<6>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<6>(tile, d, w, acc);
         break;
       case 5:
-        qminmax_tile_vnni<5>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<5>(tile, d, w, acc);
         break;
       case 4:
-        qminmax_tile_vnni<4>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<4>(tile, d, w, acc);
         break;
       case 3:
-        qminmax_tile_vnni<3>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<3>(tile, d, w, acc);
         break;
       case 2:
-        qminmax_tile_vnni<2>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<2>(tile, d, w, acc);
         break;
       default:
-        qminmax_tile_vnni<1>(tile, d, w, acc);
+        qminmax_tile_avx512_vnni<1>(tile, d, w, acc);
         break;
     }
     for (std::uint32_t r = 0; r < rows; ++r) {
@@ -105,9 +100,7 @@ OASISKV_TARGET_AVX512VNNI inline void qminmax_run_vnni(
   }
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The portable top-k kernel of `block_selector`: plain C++ for machines (or builds)
+//! @brief The portable top-k kernel (see `top_k.hpp`): plain C++ for machines (or builds)
 //! without the AVX-512 path, and the yardstick it is tested against.
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <limits>
 #include <vector>
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 // Appends base + i for the k highest cand[i] (i < m, 0 < k < m), ascending, ties to the
 // lower index, NaN as +inf. Every loop is branch-free (selects and counters, no
@@ -74,4 +74,4 @@ inline void keep_top_scalar(const float* cand, std::uint32_t m, std::uint32_t k,
   out.resize(at + kept);
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail

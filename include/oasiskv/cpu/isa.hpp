@@ -41,7 +41,8 @@
 
 namespace oasiskv {
 
-//! @brief A code path of the CPU kernels. `best` picks the widest one the machine runs.
+//! @brief A code path of the CPU kernels; each level has the instructions of the levels before
+//! it. `best` picks the widest one the machine runs.
 enum class cpu_isa : std::uint8_t { scalar, avx2, avx512, best };
 
 constexpr std::string_view to_string(cpu_isa i) noexcept {
@@ -65,7 +66,7 @@ struct cpu_features {
   bool avx512_vnni = false;  //!< `avx512` + AVX512_VNNI
 };
 
-namespace detail {
+namespace cpu::detail {
 
 inline cpu_features probe_cpu_features() noexcept {
   cpu_features f;
@@ -83,11 +84,11 @@ inline cpu_features probe_cpu_features() noexcept {
   return f;
 }
 
-}  // namespace detail
+}  // namespace cpu::detail
 
 //! @brief The features of this machine that this build has kernels for (all false off x86).
 inline const cpu_features& detected_cpu_features() noexcept {
-  static const cpu_features f = detail::probe_cpu_features();
+  static const cpu_features f = cpu::detail::probe_cpu_features();
   return f;
 }
 
@@ -102,6 +103,12 @@ inline bool isa_supported(cpu_isa i) noexcept {
     default:
       return true;
   }
+}
+
+//! @brief Whether the resolved path `i` has the instructions of `level` (`avx512` has those of
+//! `avx2`). How a dispatcher picks a kernel: the widest one whose level `i` includes.
+constexpr bool isa_includes(cpu_isa i, cpu_isa level) noexcept {
+  return i != cpu_isa::best && i >= level;
 }
 
 //! @brief `i` itself, or for `best` the widest supported path. Throws `errc::unsupported` when

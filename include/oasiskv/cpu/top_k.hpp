@@ -1,17 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The dispatch of `block_selector`'s top-k pass: `keep_top` calls the per-ISA kernel of
-//! `predictor/cpu/select_*.hpp` for the selector's code path. Every path keeps the same blocks.
+//! @brief The dispatcher of the top-k kernels (`top_k_scalar.hpp`, `top_k_avx512.hpp`):
+//! `keep_top`, which `block_selector` and `cascade_summary`'s first stage call. Every path keeps
+//! the same entries.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/predictor/cpu/select_avx512.hpp"
-#include "oasiskv/predictor/cpu/select_scalar.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/top_k_avx512.hpp"
+#include "oasiskv/cpu/top_k_scalar.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 //! @brief Appends `base + i` for the `k` highest `cand[i]` (`i < m`, `0 < k < m`), ascending,
 //! ties to the lower index, NaN as `+inf`. `isa` is already resolved: `cpu_isa::avx512` runs the
@@ -20,7 +21,7 @@ inline void keep_top(cpu_isa isa, const float* cand, std::uint32_t m, std::uint3
                      std::uint32_t base, std::vector<float>& ranked, std::vector<float>& pool,
                      std::vector<std::uint32_t>& out) {
 #if OASISKV_X86_KERNELS
-  if (isa == cpu_isa::avx512) {
+  if (isa_includes(isa, cpu_isa::avx512)) {
     keep_top_avx512(cand, m, k, base, pool, out);
     return;
   }
@@ -29,4 +30,4 @@ inline void keep_top(cpu_isa isa, const float* cand, std::uint32_t m, std::uint3
   keep_top_scalar(cand, m, k, base, ranked, pool, out);
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail

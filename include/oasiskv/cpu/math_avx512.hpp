@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The AVX-512 (F/BW/DQ/VL) paths of the summaries' shared math (see `simd_math.hpp`):
+//! @brief The AVX-512 (F/BW/DQ/VL) paths of the shared SIMD math (dispatched by `math.hpp`):
 //! 16-lane f32 / f16 / bf16 loads, the tiled entry dot products, the `exp` polynomial, the
 //! softmax helpers with masked tails, and entry-id statistics. Compiled with
 //! `OASISKV_TARGET_AVX512`, chosen at run time.
@@ -13,21 +13,15 @@
 #include <span>
 
 #include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/summary/cpu/math_avx2.hpp"
-#include "oasiskv/summary/cpu/math_scalar.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math_avx2.hpp"
+#include "oasiskv/cpu/math_scalar.hpp"
 
 #if OASISKV_X86_KERNELS
 
-// gcc 12's unmasked AVX-512 conversions start from _mm512_undefined_*(), which -Wuninitialized
-// reports once inlined; the zero-masked forms used below avoid them, this keeps stragglers quiet.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+#include "oasiskv/cpu/kernel_begin.hpp"
 
-namespace oasiskv::detail {
+namespace oasiskv::cpu::detail {
 
 OASISKV_TARGET_AVX512 inline __m512 load16(const float* p) {
   return _mm512_loadu_ps(p);
@@ -347,9 +341,7 @@ OASISKV_TARGET_AVX512 inline entry_id_stats entry_id_stats_avx512(
   return {t, steps};
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "oasiskv/cpu/kernel_end.hpp"
 #endif  // OASISKV_X86_KERNELS

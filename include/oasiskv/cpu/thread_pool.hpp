@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief `cpu::thread_pool`: a persistent pool that runs one parallel loop at a time, the
-//! threading policy of the CPU attention kernels.
+//! threading policy of the CPU kernels (attention, batched prediction, the engine's matmuls).
 #pragma once
 
 #include <atomic>
@@ -43,12 +43,12 @@ class thread_pool {
                        std::chrono::nanoseconds spin = std::chrono::microseconds(50))
       : spin_(spin) {
     if (threads == 0 || threads > max_threads) [[unlikely]] {
-      detail::raise(errc::invalid_argument, "thread_pool threads = ", threads, " must be in [1, ",
-                    max_threads, "]");
+      oasiskv::detail::raise(errc::invalid_argument, "thread_pool threads = ", threads,
+                             " must be in [1, ", max_threads, "]");
     }
     if (spin.count() < 0) [[unlikely]] {
-      detail::raise(errc::invalid_argument, "thread_pool spin = ", spin.count(),
-                    " ns must not be negative");
+      oasiskv::detail::raise(errc::invalid_argument, "thread_pool spin = ", spin.count(),
+                             " ns must not be negative");
     }
     workers_.reserve(threads - 1);
     for (unsigned i = 1; i < threads; ++i) {

@@ -1,67 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
-//! @brief The one shared SIMD math header of the CPU summaries and predictors: the ISA-generic
-//! entry points (`dot_entries`, `exp_sum`, `clamp_finite_max`, `add_scaled`,
-//! `entry_id_stats_of`) and the outward rounding helpers of stored bounds. Each entry point
-//! dispatches to the per-ISA bodies in `math_scalar.hpp`, `math_avx2.hpp` and `math_avx512.hpp`
+//! @brief The dispatcher of the SIMD math that several CPU kernels and policies share:
+//! `dot_entries`, `exp_sum`, `clamp_finite_max`, `add_scaled`, `entry_id_stats_of`. Each entry
+//! point calls the per-ISA body in `math_scalar.hpp`, `math_avx2.hpp` or `math_avx512.hpp`
 //! (compiled with function-level target attributes and chosen at run time, so a consumer builds
-//! with no `-march` flag); summaries, `predictor/aggregation.hpp`, `predictor/block_selector.hpp`
-//! and, through `minmax_summary.hpp`, `cuda/topk_selector.cuh` include this header, never the
-//! per-ISA ones.
+//! with no `-march` flag); policies (summaries, `predictor/aggregation.hpp`,
+//! `predictor/block_selector.hpp`) and the engine include this header, never the per-ISA ones.
+//! The per-ISA files also hold the loads and reductions other kernel families build on.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <span>
-#include <type_traits>
 
-#include "oasiskv/core/dtype.hpp"
-#include "oasiskv/core/isa.hpp"
-#include "oasiskv/summary/cpu/math_avx2.hpp"
-#include "oasiskv/summary/cpu/math_avx512.hpp"
-#include "oasiskv/summary/cpu/math_scalar.hpp"
+#include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math_avx2.hpp"
+#include "oasiskv/cpu/math_avx512.hpp"
+#include "oasiskv/cpu/math_scalar.hpp"
 
-namespace oasiskv::detail {
-
-// f16 and bf16 are both sign-magnitude, so the neighbouring value is one step of the bits.
-template <class S>
-constexpr S next_toward_pos_inf(S r) noexcept {
-  if (r.bits == 0x0000u || r.bits == 0x8000u) {
-    return S{0x0001u};
-  }
-  return S{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits - 1u : r.bits + 1u)};
-}
-template <class S>
-constexpr S next_toward_neg_inf(S r) noexcept {
-  if (r.bits == 0x0000u || r.bits == 0x8000u) {
-    return S{0x8001u};
-  }
-  return S{static_cast<std::uint16_t>((r.bits & 0x8000u) ? r.bits + 1u : r.bits - 1u)};
-}
-
-//! @brief The least `S` not below `x`: a stored maximum must never shrink, or the bound breaks.
-template <class S>
-constexpr S round_up(float x) noexcept {
-  if constexpr (std::is_same_v<S, float>) {
-    return x;
-  } else {
-    const S r = S::from_float(x);
-    return r.to_float() < x ? next_toward_pos_inf(r) : r;
-  }
-}
-//! @brief The greatest `S` not above `x`.
-template <class S>
-constexpr S round_down(float x) noexcept {
-  if constexpr (std::is_same_v<S, float>) {
-    return x;
-  } else {
-    const S r = S::from_float(x);
-    return r.to_float() > x ? next_toward_neg_inf(r) : r;
-  }
-}
+namespace oasiskv::cpu::detail {
 
 //! @brief `out[i] = exp(scale * (x[i] - m))` for `i < count` (`x` finite; `out` may be `x`);
 //! returns the sum of the `out[i]`. The AVX-512 and AVX2 paths' polynomial is within about 2 ulp
@@ -121,11 +78,11 @@ void dot_entries(cpu_isa isa, const S* base, std::size_t entry_stride,
                  std::span<const std::uint32_t> ids, const float* rows, std::uint32_t n,
                  std::uint32_t len, float* out) {
 #if OASISKV_X86_KERNELS
-  if (isa == cpu_isa::avx512) {
+  if (isa_includes(isa, cpu_isa::avx512)) {
     dot_entries_avx512(base, entry_stride, ids, rows, n, len, out);
     return;
   }
-  if (isa == cpu_isa::avx2) {
+  if (isa_includes(isa, cpu_isa::avx2)) {
     dot_entries_avx2(base, entry_stride, ids, rows, n, len, out);
     return;
   }
@@ -145,4 +102,4 @@ inline entry_id_stats entry_id_stats_of(std::span<const std::uint32_t> ids) {
   return entry_id_stats_scalar(ids);
 }
 
-}  // namespace oasiskv::detail
+}  // namespace oasiskv::cpu::detail
