@@ -3,8 +3,8 @@
 //! @brief Host-only: the one CPU instruction-set layer of the library. Every CPU kernel
 //! (attention, summary scoring, block selection, the mini-decoder's matmuls) is compiled with
 //! the function-level target attributes defined here and chosen at run time with `resolve_isa`,
-//! so a consumer builds with no `-march` flag and one binary uses AVX-512 where the machine has
-//! it. The CPU is probed once per process.
+//! so a consumer builds with no `-march` flag and one binary uses AVX-512 (and AVX512_VNNI)
+//! where the machine has it. The CPU is probed once per process.
 #pragma once
 
 #include <cstdint>
@@ -42,8 +42,10 @@
 namespace oasiskv {
 
 //! @brief A code path of the CPU kernels; each level has the instructions of the levels before
-//! it. `best` picks the widest one the machine runs.
-enum class cpu_isa : std::uint8_t { scalar, avx2, avx512, best };
+//! it. `avx512_vnni` is `avx512` plus AVX512_VNNI's int8 and int16 dot products: a kernel family
+//! that has VNNI kernels runs them there, every other family its AVX-512 kernels. `best` asks
+//! for the widest path the machine runs (see `resolve_isa`).
+enum class cpu_isa : std::uint8_t { scalar, avx2, avx512, avx512_vnni, best };
 
 constexpr std::string_view to_string(cpu_isa i) noexcept {
   switch (i) {
@@ -53,6 +55,8 @@ constexpr std::string_view to_string(cpu_isa i) noexcept {
       return "avx2";
     case cpu_isa::avx512:
       return "avx512";
+    case cpu_isa::avx512_vnni:
+      return "avx512_vnni";
     case cpu_isa::best:
       return "best";
   }
@@ -100,30 +104,44 @@ inline bool isa_supported(cpu_isa i) noexcept {
       return f.avx2;
     case cpu_isa::avx512:
       return f.avx512;
+    case cpu_isa::avx512_vnni:
+      return f.avx512_vnni;
     default:
       return true;
   }
 }
 
-//! @brief Whether the resolved path `i` has the instructions of `level` (`avx512` has those of
-//! `avx2`). How a dispatcher picks a kernel: the widest one whose level `i` includes.
+//! @brief Whether the resolved path `i` has the instructions of `level` (`avx512_vnni` has
+//! those of `avx512`, which has those of `avx2`). How a dispatcher picks a kernel: the widest
+//! one whose level `i` includes.
 constexpr bool isa_includes(cpu_isa i, cpu_isa level) noexcept {
   return i != cpu_isa::best && i >= level;
 }
 
-//! @brief `i` itself, or for `best` the widest supported path. Throws `errc::unsupported` when
-//! `i` is a path this build or machine cannot run.
-inline cpu_isa resolve_isa(cpu_isa i) {
+//! @brief The path that a kernel family whose widest kernels are `widest` (a level, not `best`)
+//! runs for a request of `i`. `best`: the widest path this machine supports, up to `widest`.
+//! `avx512`: `avx512_vnni` where `widest` is and the machine has VNNI (it extends AVX-512, so a
+//! family with VNNI kernels takes them on any AVX-512 request, as the engine's int8 products
+//! do). Any other path: `i` itself, capped at `widest`. Throws `errc::unsupported` when `i` is a
+//! path this build or machine cannot run. The default suits every family without VNNI kernels.
+inline cpu_isa resolve_isa(cpu_isa i, cpu_isa widest = cpu_isa::avx512) {
   if (i == cpu_isa::best) {
-    return isa_supported(cpu_isa::avx512) ? cpu_isa::avx512
-           : isa_supported(cpu_isa::avx2) ? cpu_isa::avx2
-                                          : cpu_isa::scalar;
+    for (const cpu_isa c : {cpu_isa::avx512_vnni, cpu_isa::avx512, cpu_isa::avx2}) {
+      if (c <= widest && isa_supported(c)) {
+        return c;
+      }
+    }
+    return cpu_isa::scalar;
   }
   if (!isa_supported(i)) [[unlikely]] {
     detail::raise(errc::unsupported, "cpu_isa ", to_string(i),
                   " is not supported by this build or CPU");
   }
-  return i;
+  if (i == cpu_isa::avx512 && widest >= cpu_isa::avx512_vnni &&
+      isa_supported(cpu_isa::avx512_vnni)) {
+    return cpu_isa::avx512_vnni;
+  }
+  return i <= widest ? i : widest;
 }
 
 }  // namespace oasiskv

@@ -15,8 +15,9 @@
 namespace oasiskv::cpu::detail {
 
 //! @brief Appends `base + i` for the `k` highest `cand[i]` (`i < m`, `0 < k < m`), ascending,
-//! ties to the lower index, NaN as `+inf`. `isa` is already resolved: `cpu_isa::avx512` runs the
-//! AVX-512 kernel, every other path the scalar one. `ranked` and `pool` are reused scratch.
+//! ties to the lower index, NaN as `+inf`. `isa` is already resolved: `cpu_isa::avx512` and
+//! `avx512_vnni` run the AVX-512 kernel, every other path the scalar one. `ranked` and `pool` are
+//! reused scratch.
 inline void keep_top(cpu_isa isa, const float* cand, std::uint32_t m, std::uint32_t k,
                      std::uint32_t base, std::vector<float>& ranked, std::vector<float>& pool,
                      std::vector<std::uint32_t>& out) {

@@ -55,13 +55,13 @@ namespace oasiskv {
 //! `num_kv_heads * head_dim * tp / 4` bytes of codes (`tp` = `tokens_per_block` rounded up to 16)
 //! and 3 bytes (token count, flag): 9.6% of the KV bytes for 16-token blocks, head_dim 64, f16
 //! K+V (bounds 3.3%, codes 6.25%); plus, for each entry not yet full, `num_kv_heads *
-//! tokens_per_block * head_dim` f32 keys. Scoring paths: `cpu_isa::avx512` on a CPU with
-//! AVX-512 VNNI scores whole entries of up to 16 tokens (head_dim a multiple of 32, at most 256)
-//! with 16-bit integer products (`vpdpwssd`): each query row is rounded to `alpha Q` with 16-bit
-//! `Q` once per call, which moves a score by at most `alpha / 2 * sum_x |k'_x|`, far below the
-//! codes' own error; other entries, and AVX-512 without VNNI, take an f32 AVX-512 kernel (16
-//! tokens x up to 12 rows per pass); both end in one vector epilogue for all rows (the
-//! polynomial `exp` and `log`). Every other path takes the portable kernel (f32 products,
+//! tokens_per_block * head_dim` f32 keys. Scoring paths: `cpu_isa::avx512_vnni` (what `best` and
+//! `avx512` resolve to on a CPU with AVX512_VNNI) scores whole entries of up to 16 tokens (head_dim
+//! a multiple of 32, at most 256) with 16-bit integer products (`vpdpwssd`): each query row is
+//! rounded to `alpha Q` with 16-bit `Q` once per call, which moves a score by at most `alpha / 2 *
+//! sum_x |k'_x|`, far below the codes' own error; other entries, and AVX-512 without VNNI, take an
+//! f32 AVX-512 kernel (16 tokens x up to 12 rows per pass); both end in one vector epilogue for all
+//! rows (the polynomial `exp` and `log`). Every other path takes the portable kernel (f32 products,
 //! `std::exp`). Concurrent scoring calls are safe;
 //! `update`, `reset` and `grow` need exclusive access.
 class qminmax_int2_summary {
@@ -103,8 +103,7 @@ class qminmax_int2_summary {
   //! cannot run.
   void set_isa(cpu_isa isa) {
     bounds_.set_isa(isa);
-    isa_ = resolve_isa(isa);
-    vnni_ = isa_ == cpu_isa::avx512 && detected_cpu_features().avx512_vnni;
+    isa_ = resolve_isa(isa, cpu_isa::avx512_vnni);
   }
 
   //! @brief How many of `blocks` entries the first stage keeps for a budget of `keep_blocks`:
@@ -435,7 +434,7 @@ class qminmax_int2_summary {
     step.resize(d);
     bound.resize(d / 2);
     dots.resize(std::size_t{n} * std::max(groups_ * lanes, tpb));
-    const bool integer = cpu::detail::int2_prepare_integer(vnni_, groups_, d, q, n, z);
+    const bool integer = cpu::detail::int2_prepare_integer(isa_, groups_, d, q, n, z);
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const std::uint32_t b = entries[i];
       float* o = out + i * n;
@@ -498,9 +497,8 @@ class qminmax_int2_summary {
   quantized_minmax_summary bounds_;
   std::uint32_t capacity_;
   cpu_isa isa_ = cpu_isa::scalar;
-  bool vnni_ = false;         // AVX-512 with VNNI: whole 16-token entries take the integer kernel
-  std::uint32_t groups_ = 0;  // token groups of 16 per block
-  std::size_t words_ = 0;     // code words per (entry, KV head)
+  std::uint32_t groups_ = 0;                            // token groups of 16 per block
+  std::size_t words_ = 0;                               // code words per (entry, KV head)
   std::vector<std::uint32_t> codes_;                    // [kv heads][capacity][head_dim][groups]
   std::vector<std::uint16_t> tokens_;                   // [capacity]: distinct tokens
   std::vector<std::uint8_t> bad_;                       // [capacity]: 1 if a key is non-finite

@@ -47,8 +47,9 @@ namespace oasiskv {
 //! Models `block_summary`, `growable_summary` and `loadable_summary` (the f16 bounds a prefill
 //! node ships, quantized on load). Memory: `num_kv_heads * (2 * head_dim + 8) + 6` bytes per entry
 //! (codes, scale, norm; the empty/overflow bias and the token count); the capacity is rounded up to
-//! a multiple of 16. `cpu_isa::avx512` runs the VNNI kernel where the CPU has AVX512_VNNI; every
-//! other path runs the scalar one (same integers, same result up to f32 rounding). Concurrent
+//! a multiple of 16. `cpu_isa::avx512_vnni` (what `best` and `avx512` resolve to where the CPU
+//! has AVX512_VNNI) runs the VNNI kernel; every other path runs the scalar one (same integers,
+//! same result up to f32 rounding). Concurrent
 //! `score` calls are safe.
 class quantized_minmax_summary {
   static constexpr std::uint32_t lanes = cpu::detail::qminmax_lanes;
@@ -104,10 +105,7 @@ class quantized_minmax_summary {
   const kv_layout& layout() const noexcept { return layout_; }
   cpu_isa isa() const noexcept { return isa_; }
   //! @brief Chooses the scoring path; `errc::unsupported` if it cannot run.
-  void set_isa(cpu_isa isa) {
-    isa_ = resolve_isa(isa);
-    vnni_ = isa_ == cpu_isa::avx512 && detected_cpu_features().avx512_vnni;
-  }
+  void set_isa(cpu_isa isa) { isa_ = resolve_isa(isa, cpu_isa::avx512_vnni); }
 
   std::size_t bytes_per_block() const noexcept {
     // codes, scale and norm per KV head; the f32 bias and the u16 token count per entry
@@ -361,7 +359,7 @@ class quantized_minmax_summary {
       const std::size_t j = contiguous ? 0 : cpu::detail::same_tile_end(entries, i, m, lanes);
       auto run = [&](std::uint32_t from, std::uint32_t count, const cpu::detail::score_sink& to,
                      std::size_t i0) {
-        cpu::detail::qminmax_run(vnni_, codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
+        cpu::detail::qminmax_run(isa_, codes, sc, nm, bs, d, from, count, qw.data(), row.data(),
                                  row.data() + n, n, to, i0);
       };
       if (j != 0) {
@@ -435,7 +433,6 @@ class quantized_minmax_summary {
   kv_layout layout_;
   std::uint32_t capacity_;
   cpu_isa isa_ = cpu_isa::scalar;
-  bool vnni_ = false;
   std::uint32_t tiles_ = 0;
   std::size_t tile_bytes_ = 0;
   std::vector<std::int8_t> codes_;     // [kv heads][tiles][d / 2][16][4], see qminmax_at

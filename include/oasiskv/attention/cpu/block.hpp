@@ -17,7 +17,7 @@
 namespace oasiskv::cpu::detail {
 
 //! @brief The `range_fn` of resolved path `isa` for element type `t` and head dim `d`: the
-//! AVX-512 kernel for head dims 64 and 128 on `avx512`, the AVX2 block function
+//! AVX-512 kernel for head dims 64 and 128 (`avx512` and `avx512_vnni`), the AVX2 block function
 //! for every other head dim there and on `avx2`, the portable one on `scalar`; the head dims 64
 //! and 128 compiled in, every other read at run time.
 inline range_fn range_kernel(cpu_isa isa, dtype t, std::uint32_t d) {

@@ -21,7 +21,8 @@ namespace oasiskv::cpu::detail {
 //! one (entry, KV head) of `qminmax_int2_summary`: its codes (`[d][groups]` words) between
 //! `lo` and `lo + 3 step` per dimension; `scale` == 0 gives the max of the dequantized dot
 //! products, > 0 the scaled log-sum-exp. `dots` is `[n][groups * 16]` scratch. `isa` is already
-//! resolved: `cpu_isa::avx512` runs the AVX-512 kernels, every other path the portable one.
+//! resolved: `cpu_isa::avx512` and `avx512_vnni` run the AVX-512 kernels, every other path the
+//! portable one.
 inline void int2_score_entry(cpu_isa isa, const std::uint32_t* words, std::uint32_t groups,
                              const float* lo, const float* step, std::uint32_t d,
                              std::uint32_t tokens, const float* q, std::uint32_t n, float scale,
@@ -47,17 +48,16 @@ inline void int2_score_entry(cpu_isa isa, const std::uint32_t* words, std::uint3
   }
 }
 
-//! @brief Whether whole entries of these shapes are scored with the integer kernel
-//! (`int2_score_integer`): `vnni` (AVX-512 with AVX512_VNNI, the summary checked the CPU), one
-//! group of codes per entry, a head dimension `d` its buffers take, and finite query rows, which
-//! it then quantizes into `z`.
-inline bool int2_prepare_integer(bool vnni, std::uint32_t groups, std::uint32_t d, const float* q,
+//! @brief Whether path `isa` scores whole entries of these shapes with the integer kernel
+//! (`int2_score_integer`): `cpu_isa::avx512_vnni`, one group of codes per entry, a head
+//! dimension `d` its buffers take, and finite query rows, which it then quantizes into `z`.
+inline bool int2_prepare_integer(cpu_isa isa, std::uint32_t groups, std::uint32_t d, const float* q,
                                  std::uint32_t n, int2_query& z) {
 #if OASISKV_X86_KERNELS
-  return vnni && groups == 1 && d % 32 == 0 && d <= int2_avx512_vnni_max_dim &&
-         int2_quantize_query(q, n, d, z);
+  return isa_includes(isa, cpu_isa::avx512_vnni) && groups == 1 && d % 32 == 0 &&
+         d <= int2_avx512_vnni_max_dim && int2_quantize_query(q, n, d, z);
 #else
-  (void)vnni, (void)groups, (void)d, (void)q, (void)n, (void)z;
+  (void)isa, (void)groups, (void)d, (void)q, (void)n, (void)z;
   return false;
 #endif
 }
