@@ -20,12 +20,10 @@
 // Shapes: smollm2 (1536 x 576, SmolLM2-135M's FFN up/gate) and llama8b (4096 x 4096, a
 // Llama-3-8B attention projection). Types: Q4_1 and Q8_0 (random blocks with sane scales).
 //   build/release/bench/matvec_bench [--benchmark_filter=...]
-// GCC 12 reports the `_mm512_undefined_*` placeholders inside its own AVX-512 headers as
-// (maybe-)uninitialized (a known false positive); silence it for this file's intrinsics only.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+// The intrinsics below: the false positives of the compilers are silenced in one place.
 #include <benchmark/benchmark.h>
 #include <omp.h>
+#include "oasiskv/cpu/kernel_begin.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -240,3 +238,5 @@ const int registered = [] {
 }  // namespace
 
 BENCHMARK_MAIN();
+
+#include "oasiskv/cpu/kernel_end.hpp"

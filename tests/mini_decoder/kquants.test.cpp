@@ -126,13 +126,14 @@ model_dot model(const std::vector<float>& w, const q8k_block* x, std::uint32_t n
   return r;
 }
 
-std::vector<dot_isa> supported_isas() {
-  std::vector<dot_isa> out;
-  for (dot_isa i : {dot_isa::scalar, dot_isa::avx2, dot_isa::avx512_vnni}) {
-    if (dot_isa_supported(i)) {
+std::vector<oasiskv::cpu_isa> supported_isas() {
+  std::vector<oasiskv::cpu_isa> out;
+  for (oasiskv::cpu_isa i :
+       {oasiskv::cpu_isa::scalar, oasiskv::cpu_isa::avx2, oasiskv::cpu_isa::avx512_vnni}) {
+    if (oasiskv::isa_supported(i)) {
       out.push_back(i);
     } else {
-      MESSAGE("dot path ", to_string(i), " is not supported on this CPU: not tested");
+      MESSAGE("dot path ", std::string(to_string(i)), " is not supported on this CPU: not tested");
     }
   }
   return out;
@@ -142,7 +143,7 @@ std::vector<dot_isa> supported_isas() {
 //! several row lengths; and each token's result bit-identical whatever ntok is.
 void check_dots(bool q4, std::mt19937& rng,
                 std::vector<std::byte> (*make)(std::mt19937&, bool, std::uint32_t)) {
-  const std::vector<dot_isa> isas = supported_isas();
+  const std::vector<oasiskv::cpu_isa> isas = supported_isas();
   for (std::uint32_t nblocks : {1u, 2u, 6u}) {
     const std::vector<std::byte> w = make(rng, q4, nblocks);
     std::vector<float> wf(nblocks * qk_k);
@@ -151,10 +152,11 @@ void check_dots(bool q4, std::mt19937& rng,
     const std::vector<q8k_block> x =
         random_activations(rng, static_cast<std::uint32_t>(4 * stride));
     float scalar[4];
-    (q4 ? kdot_q4_k : kdot_q6_k)(dot_isa::scalar)(w.data(), x.data(), stride, 4, nblocks, scalar);
-    for (dot_isa isa : isas) {
+    (q4 ? kdot_q4_k : kdot_q6_k)(oasiskv::cpu_isa::scalar)(w.data(), x.data(), stride, 4, nblocks,
+                                                           scalar);
+    for (oasiskv::cpu_isa isa : isas) {
       const kdot_fn f = (q4 ? kdot_q4_k : kdot_q6_k)(isa);
-      const std::string isa_name = to_string(isa);
+      const std::string isa_name(to_string(isa));
       oasiskv::testing::note_path(std::string("mini_decoder K-quant dots: ") + isa_name);
       float all[4];
       f(w.data(), x.data(), stride, 4, nblocks, all);
@@ -225,10 +227,10 @@ void check_extreme_activations(bool q4) {
       x[b].bsums[g] = static_cast<std::int16_t>(s);
     }
   }
-  for (dot_isa isa : supported_isas()) {
+  for (oasiskv::cpu_isa isa : supported_isas()) {
     float out[4] = {NAN, NAN, NAN, NAN};
     (q4 ? kdot_q4_k : kdot_q6_k)(isa)(w.data(), x.data(), nblocks, 4, nblocks, out);
-    const std::string isa_name = to_string(isa);
+    const std::string isa_name(to_string(isa));
     for (std::uint32_t t = 0; t < 4; ++t) {
       CAPTURE(isa_name);
       CAPTURE(t);
@@ -446,10 +448,11 @@ TEST_CASE("kquants: bad input is a clear error") {
   CHECK(m4.find("255") != std::string::npos);
   const std::string m5 = message_of([&] { quantize_q6_k(x.data(), 511, blocks.data()); });
   CHECK(m5.find("511") != std::string::npos);
-  for (dot_isa isa : {dot_isa::scalar, dot_isa::avx2, dot_isa::avx512_vnni}) {
-    const std::string isa_name = to_string(isa);
+  for (oasiskv::cpu_isa isa :
+       {oasiskv::cpu_isa::scalar, oasiskv::cpu_isa::avx2, oasiskv::cpu_isa::avx512_vnni}) {
+    const std::string isa_name(to_string(isa));
     CAPTURE(isa_name);
-    if (dot_isa_supported(isa)) {
+    if (oasiskv::isa_supported(isa)) {
       CHECK_NOTHROW(kdot_q4_k(isa));
       CHECK_NOTHROW(kdot_q6_k(isa));
     } else {
@@ -458,9 +461,9 @@ TEST_CASE("kquants: bad input is a clear error") {
     }
   }
   // An enumerator outside the known paths is unsupported too.
-  const auto bogus = static_cast<dot_isa>(7);
-  CHECK_FALSE(dot_isa_supported(bogus));
+  const auto bogus = static_cast<oasiskv::cpu_isa>(7);
+  CHECK_FALSE(oasiskv::isa_supported(bogus));
   CHECK_THROWS_AS(kdot_q4_k(bogus), decoder_error);
   CHECK_THROWS_AS(kdot_q6_k(bogus), decoder_error);
-  CHECK(std::string(to_string(dot_isa::avx512_vnni)) == "avx512_vnni");
+  CHECK(std::string(to_string(oasiskv::cpu_isa::avx512_vnni)) == "avx512_vnni");
 }

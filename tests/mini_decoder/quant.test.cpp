@@ -14,8 +14,8 @@
 
 #include <mini_decoder/io/error.hpp>
 #include <mini_decoder/io/mapped_file.hpp>
-#include <mini_decoder/ops/dot_isa.hpp>
 #include <mini_decoder/ops/int8_matmul.hpp>
+#include <mini_decoder/ops/int_dot_path.hpp>
 #include <mini_decoder/ops/matmul.hpp>
 
 #include "oasiskv/core/dtype.hpp"
@@ -92,10 +92,11 @@ double abs_dot(const weight_matrix& w, std::uint32_t r, const q8_activations& a,
   return sum;
 }
 
-std::vector<dot_isa> paths_here() {
-  std::vector<dot_isa> p;
-  for (dot_isa i : {dot_isa::scalar, dot_isa::avx2, dot_isa::avx512_vnni}) {
-    if (dot_isa_supported(i)) {
+std::vector<oasiskv::cpu_isa> paths_here() {
+  std::vector<oasiskv::cpu_isa> p;
+  for (oasiskv::cpu_isa i :
+       {oasiskv::cpu_isa::scalar, oasiskv::cpu_isa::avx2, oasiskv::cpu_isa::avx512_vnni}) {
+    if (oasiskv::isa_supported(i)) {
       p.push_back(i);
     }
   }
@@ -165,10 +166,11 @@ TEST_CASE("quant int8: every path equals the double model of the quantized produ
       const auto x = random_activations(n, cols, rng);
       q8_activations a;
       quantize_activations(x.data(), n, cols, a);
-      for (const dot_isa isa : paths) {
+      for (const oasiskv::cpu_isa isa : paths) {
         CAPTURE(to_string(t));
         CAPTURE(cols);
-        CAPTURE(to_string(isa));
+        const std::string isa_name(to_string(isa));
+        CAPTURE(isa_name);
         std::vector<float> y(std::size_t{n} * rows, std::nanf(""));
         // Two row ranges, as the threads split them.
         int8_matmul_kernel(t, isa)(m.w, a, y.data(), 0, 16);
@@ -192,9 +194,10 @@ TEST_CASE("quant int8: a token's result does not depend on how many tokens share
     const std::uint32_t rows = 19, cols = 288, n = 7;
     test_matrix m(t, rows, cols, rng);
     const auto x = random_activations(n, cols, rng);
-    for (const dot_isa isa : paths_here()) {
+    for (const oasiskv::cpu_isa isa : paths_here()) {
       CAPTURE(to_string(t));
-      CAPTURE(to_string(isa));
+      const std::string isa_name(to_string(isa));
+      CAPTURE(isa_name);
       q8_activations all;
       quantize_activations(x.data(), n, cols, all);
       std::vector<float> y_all(std::size_t{n} * rows);
@@ -260,8 +263,9 @@ TEST_CASE("quant int8: settings and bad input") {
   x[40] = std::nanf("");
   CHECK(error_of([&] { quantize_activations(x.data(), 1, 64, a); }).find("columns 32-63") !=
         std::string::npos);
-  CHECK(error_of([] { int8_matmul_kernel(quant_type::f16, dot_isa::scalar); }).find("F16") !=
-        std::string::npos);
+  CHECK(error_of([] {
+          int8_matmul_kernel(quant_type::f16, oasiskv::cpu_isa::scalar);
+        }).find("F16") != std::string::npos);
   force_matmul_isa("scalar");
   CHECK(matmul_isa() == "scalar int8");
   set_matmul_activations(matmul_activations::f32);
@@ -404,12 +408,14 @@ TEST_CASE("quant int8: matmul_quantized over panels and a tail of rows equals th
     const auto x = random_activations(n, cols, rng);
     q8_activations a;
     quantize_activations(x.data(), n, cols, a);
-    for (const dot_isa isa : paths_here()) {  // the panels serve only the AVX-512 VNNI path
+    for (const oasiskv::cpu_isa isa :
+         paths_here()) {  // the panels serve only the AVX-512 VNNI path
       CAPTURE(to_string(t));
-      CAPTURE(to_string(isa));
-      force_matmul_isa(isa == dot_isa::scalar ? "scalar"
-                       : isa == dot_isa::avx2 ? "avx2"
-                                              : "avx512");
+      const std::string isa_name(to_string(isa));
+      CAPTURE(isa_name);
+      force_matmul_isa(isa == oasiskv::cpu_isa::scalar ? "scalar"
+                       : isa == oasiskv::cpu_isa::avx2 ? "avx2"
+                                                       : "avx512");
       std::vector<float> y(std::size_t{n} * rows, std::nanf(""));
       matmul_quantized(m.w, x.data(), n, y.data());
       for (std::uint32_t tok = 0; tok < n; ++tok) {

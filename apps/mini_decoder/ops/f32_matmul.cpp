@@ -1,10 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <mini_decoder/ops/f32_matmul.hpp>
 
-// GCC 12 reports the `_mm512_undefined_*` placeholders inside its own AVX-512 headers as
-// maybe-uninitialized (a known false positive); silence it for this file's intrinsics only.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+// The intrinsics below: the false positives of the compilers are silenced in one place.
+#include "oasiskv/cpu/kernel_begin.hpp"
 
 #include <cstring>
 
@@ -245,3 +243,5 @@ OASISKV_TARGET_AVX2 void f32_matmul_avx2(const weight_matrix& w, const float* x,
 }
 
 }  // namespace mini_decoder
+
+#include "oasiskv/cpu/kernel_end.hpp"

@@ -1,10 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <mini_decoder/ops/int8_matmul.hpp>
 
-// GCC 12 reports the `_mm512_undefined_*` placeholders inside its own AVX-512 headers as
-// maybe-uninitialized (a known false positive); silence it for this file's intrinsics only.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+// The intrinsics below: the false positives of the compilers are silenced in one place.
+#include "oasiskv/cpu/kernel_begin.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -583,19 +581,16 @@ void quantize_activations(const float* x, std::uint32_t n, std::uint32_t cols, q
   }
 }
 
-int8_matmul_fn int8_matmul_kernel(quant_type t, dot_isa isa) {
+int8_matmul_fn int8_matmul_kernel(quant_type t, oasiskv::cpu_isa isa) {
   if (t != quant_type::q4_1 && t != quant_type::q8_0) {
     fail("int8_matmul_kernel: ", to_string(t), " has no 32-element int8 kernel");
   }
-  if (!dot_isa_supported(isa)) {
-    fail("int8 matmul path '", to_string(isa), "' is not supported on this CPU");
-  }
   const bool q4 = t == quant_type::q4_1;
-  switch (isa) {
+  switch (int_dot_path(isa)) {
 #if OASISKV_X86_KERNELS
-    case dot_isa::avx512_vnni:
+    case oasiskv::cpu_isa::avx512_vnni:
       return q4 ? matmul_avx512<true> : matmul_avx512<false>;
-    case dot_isa::avx2:
+    case oasiskv::cpu_isa::avx2:
       return q4 ? matmul_avx2<true> : matmul_avx2<false>;
 #endif
     default:
@@ -655,7 +650,7 @@ void pack_panels(const weight_matrix& w, std::byte* out) {
 
 panel_matmul_fn panel_matmul_kernel(quant_type t) {
 #if OASISKV_X86_KERNELS
-  if (dot_isa_supported(dot_isa::avx512_vnni)) {
+  if (oasiskv::isa_supported(oasiskv::cpu_isa::avx512_vnni)) {
     if (t == quant_type::q4_1) {
       return panel_avx512<true>;
     }
@@ -669,3 +664,5 @@ panel_matmul_fn panel_matmul_kernel(quant_type t) {
 }
 
 }  // namespace mini_decoder
+
+#include "oasiskv/cpu/kernel_end.hpp"

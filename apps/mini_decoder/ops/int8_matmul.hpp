@@ -11,7 +11,7 @@
 #include <vector>
 
 #include <mini_decoder/io/weight_format.hpp>
-#include <mini_decoder/ops/dot_isa.hpp>
+#include <mini_decoder/ops/int_dot_path.hpp>
 
 namespace mini_decoder {
 
@@ -43,7 +43,7 @@ void quantize_activations(const float* x, std::uint32_t n, std::uint32_t cols, q
 using int8_matmul_fn = void (*)(const weight_matrix& w, const q8_activations& a, float* y,
                                 std::uint32_t r0, std::uint32_t r1);
 //! The kernel of `isa` for `t` (Q4_1 or Q8_0); throws when the CPU lacks `isa`.
-int8_matmul_fn int8_matmul_kernel(quant_type t, dot_isa isa);
+int8_matmul_fn int8_matmul_kernel(quant_type t, oasiskv::cpu_isa isa);
 
 //! Rows per panel of the repacked layout: `matmul_quantized` splits rows into chunks of this
 //! many, so a chunk is a panel.

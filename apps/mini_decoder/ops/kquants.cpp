@@ -1,12 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <mini_decoder/ops/kquants.hpp>
 
-// GCC 12 reports the `_mm512_undefined_*` placeholders inside its own AVX-512 headers as
-// maybe-uninitialized (a known false positive); silence it for this file's intrinsics only.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+// The intrinsics below: the false positives of the compilers are silenced in one place.
+#include "oasiskv/cpu/kernel_begin.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -451,12 +447,6 @@ void kdot(const std::byte* row, const q8k_block* x, std::size_t xs, std::uint32_
   }
 }
 
-void require_isa(dot_isa isa) {
-  if (!dot_isa_supported(isa)) {
-    fail("integer dot path ", to_string(isa), " is not supported by this build or CPU");
-  }
-}
-
 }  // namespace
 
 void quantize_q8_k(const float* x, std::uint32_t n, q8k_block* out) {
@@ -624,13 +614,12 @@ void quantize_q6_k(const float* x, std::uint32_t n, std::byte* out) {
   }
 }
 
-kdot_fn kdot_q4_k(dot_isa isa) {
-  require_isa(isa);
-  switch (isa) {
+kdot_fn kdot_q4_k(oasiskv::cpu_isa isa) {
+  switch (int_dot_path(isa)) {
 #if OASISKV_X86_KERNELS
-    case dot_isa::avx2:
+    case oasiskv::cpu_isa::avx2:
       return &kdot<q4k_avx2>;
-    case dot_isa::avx512_vnni:
+    case oasiskv::cpu_isa::avx512_vnni:
       return &kdot<q4k_vnni>;
 #endif
     default:
@@ -638,13 +627,12 @@ kdot_fn kdot_q4_k(dot_isa isa) {
   }
 }
 
-kdot_fn kdot_q6_k(dot_isa isa) {
-  require_isa(isa);
-  switch (isa) {
+kdot_fn kdot_q6_k(oasiskv::cpu_isa isa) {
+  switch (int_dot_path(isa)) {
 #if OASISKV_X86_KERNELS
-    case dot_isa::avx2:
+    case oasiskv::cpu_isa::avx2:
       return &kdot<q6k_avx2>;
-    case dot_isa::avx512_vnni:
+    case oasiskv::cpu_isa::avx512_vnni:
       return &kdot<q6k_vnni>;
 #endif
     default:
@@ -653,3 +641,5 @@ kdot_fn kdot_q6_k(dot_isa isa) {
 }
 
 }  // namespace mini_decoder
+
+#include "oasiskv/cpu/kernel_end.hpp"

@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include <mini_decoder/io/weight_format.hpp>
-#include <mini_decoder/ops/dot_isa.hpp>
+#include <mini_decoder/ops/int_dot_path.hpp>
 
 namespace mini_decoder {
 
@@ -48,8 +48,8 @@ using kdot_fn = void (*)(const std::byte* row, const q8k_block* x, std::size_t x
                          std::uint32_t ntok, std::uint32_t nblocks, float* out);
 
 //! The Q4_K dot of path `isa`; throws `decoder_error` if this build or CPU cannot run it.
-kdot_fn kdot_q4_k(dot_isa isa);
+kdot_fn kdot_q4_k(oasiskv::cpu_isa isa);
 //! The Q6_K dot of path `isa`; throws `decoder_error` if this build or CPU cannot run it.
-kdot_fn kdot_q6_k(dot_isa isa);
+kdot_fn kdot_q6_k(oasiskv::cpu_isa isa);
 
 }  // namespace mini_decoder

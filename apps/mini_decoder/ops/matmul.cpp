@@ -8,9 +8,9 @@
 #include <vector>
 
 #include <mini_decoder/io/error.hpp>
-#include <mini_decoder/ops/dot_isa.hpp>
 #include <mini_decoder/ops/f32_matmul.hpp>
 #include <mini_decoder/ops/int8_matmul.hpp>
+#include <mini_decoder/ops/int_dot_path.hpp>
 #include <mini_decoder/ops/kquants.hpp>
 #include <mini_decoder/ops/threads.hpp>
 
@@ -47,29 +47,19 @@ void matmul_dequantized(const weight_matrix& w, const float* x, std::uint32_t n,
 }
 
 struct isa_choice {
-  f32_matmul_fn fn;  // the f32-activation path
-  dot_isa dot;       // the int8-activation path
-  const char* name;  // of the f32 path
+  f32_matmul_fn fn;      // the f32-activation path
+  oasiskv::cpu_isa dot;  // the int8-activation path: scalar, avx2 or avx512_vnni
+  const char* name;      // of the f32 path
 };
-
-dot_isa best_dot_isa(oasiskv::cpu_isa isa) {
-  if (isa == oasiskv::cpu_isa::avx512 && dot_isa_supported(dot_isa::avx512_vnni)) {
-    return dot_isa::avx512_vnni;
-  }
-  if (isa != oasiskv::cpu_isa::scalar && dot_isa_supported(dot_isa::avx2)) {
-    return dot_isa::avx2;
-  }
-  return dot_isa::scalar;
-}
 
 isa_choice choice_for(oasiskv::cpu_isa isa) {
   switch (isa) {
     case oasiskv::cpu_isa::avx512:
-      return {f32_matmul_avx512, best_dot_isa(isa), "avx512"};
+      return {f32_matmul_avx512, int_dot_path(isa), "avx512"};
     case oasiskv::cpu_isa::avx2:
-      return {f32_matmul_avx2, best_dot_isa(isa), "avx2"};
+      return {f32_matmul_avx2, int_dot_path(isa), "avx2"};
     default:
-      return {f32_matmul_scalar, dot_isa::scalar, "scalar"};
+      return {f32_matmul_scalar, oasiskv::cpu_isa::scalar, "scalar"};
   }
 }
 
@@ -99,7 +89,8 @@ void for_row_chunks(std::uint32_t rows, F&& f) {
   });
 }
 
-void matmul_k_int8(const weight_matrix& w, const float* x, std::uint32_t n, float* y, dot_isa isa) {
+void matmul_k_int8(const weight_matrix& w, const float* x, std::uint32_t n, float* y,
+                   oasiskv::cpu_isa isa) {
   const kdot_fn fn = w.type == quant_type::q4_k ? kdot_q4_k(isa) : kdot_q6_k(isa);
   const std::uint32_t nb = w.cols / qk_k;
   thread_local std::vector<q8k_block> xq;
@@ -212,7 +203,7 @@ void matmul_quantized(const weight_matrix& w, const float* x, std::uint32_t n, f
       q8_activations& a = buffer;  // the workers read the calling thread's buffer
       quantize_activations(x, n, w.cols, a);
       const int8_matmul_fn fn = int8_matmul_kernel(w.type, c.dot);
-      const panel_matmul_fn pf = w.panels != nullptr && c.dot == dot_isa::avx512_vnni
+      const panel_matmul_fn pf = w.panels != nullptr && c.dot == oasiskv::cpu_isa::avx512_vnni
                                      ? panel_matmul_kernel(w.type)
                                      : nullptr;
       const std::uint32_t panels = pf != nullptr ? w.rows / panel_rows : 0;

@@ -96,19 +96,22 @@ inline const cpu_features& detected_cpu_features() noexcept {
   return f;
 }
 
-//! @brief Whether this build and this machine can run `i` (`scalar` and `best` always can).
+//! @brief Whether this build and this machine can run `i` (`scalar` and `best` always can; a
+//! value that names no path never).
 inline bool isa_supported(cpu_isa i) noexcept {
   const cpu_features& f = detected_cpu_features();
   switch (i) {
+    case cpu_isa::scalar:
+    case cpu_isa::best:
+      return true;
     case cpu_isa::avx2:
       return f.avx2;
     case cpu_isa::avx512:
       return f.avx512;
     case cpu_isa::avx512_vnni:
       return f.avx512_vnni;
-    default:
-      return true;
   }
+  return false;
 }
 
 //! @brief Whether the resolved path `i` has the instructions of `level` (`avx512_vnni` has
