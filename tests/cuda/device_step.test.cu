@@ -395,7 +395,7 @@ TEST_CASE(
     dq.upload(q);
     dlook.upload(look);
     for (auto* b : {&out_a, &out_b}) {
-      OASISKV_CUDA_CHECK(cudaMemset(b->get(), 0xff, b->size() * sizeof(float)));  // NaN
+      oasiskv::testing::fill_device(b->get(), 0xff, b->size() * sizeof(float));  // NaN
     }
     if (step == 3) {
       direct.invalidate(s);  // forgets what is staged: every selected block is copied again
@@ -420,13 +420,12 @@ TEST_CASE(
     for (oc::device_decode_step* st : {&direct, &graph}) {
       const std::byte* fast = st == &direct ? fast_a.get() : fast_b.get();
       std::vector<std::uint32_t> off(num_seqs + 1);
-      OASISKV_CUDA_CHECK(
-          cudaMemcpy(off.data(), st->device_offsets(), off.size() * 4, cudaMemcpyDeviceToHost));
+      oasiskv::testing::copy_to_host(off.data(), st->device_offsets(), off.size() * 4);
       std::vector<block_ref> refs(off.back());
-      OASISKV_CUDA_CHECK(cudaMemcpy(refs.data(), st->device_refs(), refs.size() * sizeof(block_ref),
-                                    cudaMemcpyDeviceToHost));
+      oasiskv::testing::copy_to_host(refs.data(), st->device_refs(),
+                                     refs.size() * sizeof(block_ref));
       std::uint32_t copies = 0;
-      OASISKV_CUDA_CHECK(cudaMemcpy(&copies, st->device_copy_count(), 4, cudaMemcpyDeviceToHost));
+      oasiskv::testing::copy_to_host(&copies, st->device_copy_count(), 4);
       if (step == 0 || (step == 3 && st == &direct)) {
         CHECK(copies == off.back());  // nothing was staged
       } else {
@@ -445,8 +444,8 @@ TEST_CASE(
           REQUIRE(r.slot >= first_slot + q * sp.budget_blocks);
           REQUIRE(r.slot < first_slot + (q + 1) * sp.budget_blocks);
           CHECK(used.insert(r.slot).second);
-          OASISKV_CUDA_CHECK(cudaMemcpy(slot.data(), fast + std::size_t{r.slot} * l.block_bytes(),
-                                        slot.size(), cudaMemcpyDeviceToHost));
+          oasiskv::testing::copy_to_host(slot.data(), fast + std::size_t{r.slot} * l.block_bytes(),
+                                         slot.size());
           const std::byte* want = w.block(w.ids[std::size_t{q} * max_blocks + r.index]);
           const std::uint32_t fill = oasiskv::block_fill(l, r.index, w.lens[q]);
           for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {

@@ -360,8 +360,12 @@ class sparse_decode {
       detail::check(cudaMalloc(&d, sizeof(std::uint32_t)), "cuda::sparse_decode: cudaMalloc",
                     errc::out_of_memory);
       st.status = static_cast<std::uint32_t*>(d);
-      detail::check(cudaMemset(st.status, 0, sizeof(std::uint32_t)),
-                    "cuda::sparse_decode: cudaMemset");
+      // Done before returning: a later call may launch on another stream, which would not
+      // wait for a clear left queued on this one (or on the legacy stream).
+      detail::check(cudaMemsetAsync(st.status, 0, sizeof(std::uint32_t), options_.stream),
+                    "cuda::sparse_decode: cudaMemsetAsync");
+      detail::check(cudaStreamSynchronize(options_.stream),
+                    "cuda::sparse_decode: clearing the status word");
       detail::check(cudaHostAlloc(&h, sizeof(std::uint32_t), cudaHostAllocDefault),
                     "cuda::sparse_decode: cudaHostAlloc", errc::out_of_memory);
       st.status_host = static_cast<std::uint32_t*>(h);

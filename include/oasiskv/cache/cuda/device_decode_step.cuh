@@ -496,6 +496,13 @@ class device_decode_step {
                              "it must be pinned (cudaHostRegister, pinned_host_tier) or device "
                              "memory");
     }
+    if (info.kind == detail::pointer_kind::pinned_host && info.device_address != p) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, what, " = ", p,
+                             " is pinned host memory the device does not read at that address: "
+                             "the gather reads it through the host pointer, so it must be mapped "
+                             "(cudaHostRegisterMapped, as pinned_host_tier registers, or "
+                             "cudaHostAlloc)");
+    }
   }
 
   void check_seq(std::uint32_t s, const char* what) const {

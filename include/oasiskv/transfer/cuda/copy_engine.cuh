@@ -159,8 +159,12 @@ class copy_engine {
     }
     const block_pool_view sv = src.view();
     const block_pool_view dv = dst.view();
+    // The gather kernel reads the source through its host addresses: registered and mapped
+    // there (pinned_host_tier registers with cudaHostRegisterMapped; another pinned source is
+    // asked), else the batch goes by DMA.
+    bool mapped = uva_host_pointers_;
     if constexpr (Src::memory != memory_kind::pinned_host) {
-      require_pinned(sv);
+      mapped = require_pinned(sv) && mapped;
     }
     std::uint32_t chunk_slots = src.num_slots();
     if constexpr (requires { src.slots_per_chunk(); }) {
@@ -170,7 +174,7 @@ class copy_engine {
     std::unique_lock lock(mutex_);
     retire_finished_locked();
     check_hazards_locked(&src, &dst, copies);
-    const copy_path path = choose(copies.size(), l.block_bytes());
+    const copy_path path = choose(copies.size(), l.block_bytes(), mapped);
     detail::device_guard guard(device_);
     batch b;
     b.src_tier = &src;
@@ -310,8 +314,10 @@ class copy_engine {
     }
   };
 
-  static void require_pinned(const block_pool_view& v) {
+  // Throws unless the pool is pinned; returns whether it is also mapped at its host addresses.
+  static bool require_pinned(const block_pool_view& v) {
     const std::byte* last = v.base + (std::size_t{v.num_slots} * v.slot_stride - 1);
+    bool mapped = true;
     for (const void* p : {static_cast<const void*>(v.base), static_cast<const void*>(last)}) {
       const detail::pointer_info info = detail::query_pointer(p);
       if (info.kind != detail::pointer_kind::pinned_host) [[unlikely]] {
@@ -321,20 +327,23 @@ class copy_engine {
             ": the device copies asynchronously only from pinned memory (use "
             "cuda::pinned_host_tier, or a host_tier whose pin hook calls cudaHostRegister)");
       }
+      mapped = mapped && info.device_address == p;
     }
+    return mapped;
   }
 
-  copy_path choose(std::size_t blocks, std::size_t block_bytes) const {
+  copy_path choose(std::size_t blocks, std::size_t block_bytes, bool mapped) const {
     if (options_.path == copy_path::gather_kernel) {
-      if (!uva_host_pointers_) [[unlikely]] {
+      if (!mapped) [[unlikely]] {
         oasiskv::detail::raise(errc::unsupported,
                                "cuda::copy_engine: the gather kernel needs registered host "
-                               "memory at the host's addresses, which device ",
-                               device_, " does not offer");
+                               "memory mapped at the host's addresses (cudaHostRegisterMapped), "
+                               "which device ",
+                               device_, " or the source tier does not offer");
       }
       return copy_path::gather_kernel;
     }
-    if (options_.path == copy_path::batch_memcpy || !uva_host_pointers_) {
+    if (options_.path == copy_path::batch_memcpy || !mapped) {
       return copy_path::batch_memcpy;
     }
     return block_bytes <= options_.kernel_max_block_bytes && blocks >= options_.kernel_min_blocks
