@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The host halves of the CUDA path that decide what the device does, run with no device:
-// cuda::flashinfer_decode's split plan and the buffers it needs (a split plan without its
-// workspace ran FlashInfer's unsplit kernel on the split grid, writing past its output), the CUDA
-// benchmark's targets read back from its rows (the copy-engine ratio was read from a variable
-// the loop never set), and the registration flags of cuda::pinned_host_tier (the gather kernels
-// read it through the host pointer, so it must be mapped).
+// cuda::sparse_decode's splits from the table size, cuda::flashinfer_decode's split plan and the
+// buffers it needs (a split plan without its workspace ran FlashInfer's unsplit kernel on the split
+// grid, writing past its output), the CUDA benchmark's targets read back from its rows (the
+// copy-engine ratio was read from a variable the loop never set), and the registration flags of
+// cuda::pinned_host_tier (the gather kernels read it through the host pointer, so it must be
+// mapped).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "cuda_bench_report.hpp"
+#include "oasiskv/attention/cuda/detail/decode_kernels.cuh"
 #include "oasiskv/attention/cuda/detail/flashinfer_plan.cuh"
 #include "oasiskv/tier/cuda/pinned_host_tier.cuh"
 
@@ -181,6 +183,34 @@ TEST_CASE("flashinfer split plan: random batches, empty requests, every page siz
       CHECK(offs[i + 1] >= offs[i] + sizes[i]);
     }
     CHECK(at.workspace.bytes == od::split_workspace(p, heads, 64).bytes);
+  }
+}
+
+TEST_CASE("sparse_decode's splits: the multiprocessors, and the table size when known") {
+  // An H100: 132 SMs. Llama-3-8B's shape (8 KV heads, one row chunk at q_len 1), budget 2048
+  // tokens = 128 blocks.
+  const std::uint32_t sms = 132;
+  // Batch 1: 8 CTAs before splitting; about 4 per SM wanted, at most 32 splits of 4 blocks.
+  CHECK(od::choose_decode_splits(sms, 8, 128, 0, 32) == 32);
+  CHECK(od::choose_decode_splits(sms, 8, 0, 0, 32) == 32);
+  // Batch 32: 256 CTAs fill most of the machine already.
+  CHECK(od::choose_decode_splits(sms, 256, 128, 0, 32) == 3);
+  // A small selection caps the splits: 16 blocks give at most 4 splits of 4 blocks.
+  CHECK(od::choose_decode_splits(sms, 8, 16, 0, 32) == 4);
+  CHECK(od::choose_decode_splits(sms, 8, 3, 0, 32) == 1);  // under one split's worth: one
+  // A fixed count wins, within [1, max_splits].
+  CHECK(od::choose_decode_splits(sms, 8, 16, 7, 32) == 7);
+  CHECK(od::choose_decode_splits(sms, 8, 16, 64, 32) == 32);
+  // Never zero, whatever the inputs.
+  CHECK(od::choose_decode_splits(0, 0, 0, 0, 0) == 1);
+  for (std::uint32_t expected = 1; expected < 300; ++expected) {
+    for (const std::uint64_t ctas : {1ull, 8ull, 64ull, 512ull, 4096ull}) {
+      const std::uint32_t s = od::choose_decode_splits(sms, ctas, expected, 0, 32);
+      CHECK(s >= 1);
+      CHECK(s <= 32);
+      CHECK((s == 1 || s * od::min_blocks_per_split <= expected));
+      CHECK((s == 32 || s * ctas >= 4 * sms || s * od::min_blocks_per_split + 4 > expected));
+    }
   }
 }
 

@@ -215,12 +215,18 @@ TEST_CASE("cuda::sparse_decode matches reference_decode") {
               CAPTURE(splits);
               const problem h(l, 3, q_len, per_head, rng);
               device_problem dev(h);
-              oc::sparse_decode_options o;
-              o.num_splits = splits;
-              o.check_tables = true;
-              oc::sparse_decode k(o);
-              k.decode(dev.p);
-              compare(h, dev);
+              for (const bool pipelined : {false, true}) {  // direct loads, cp.async pipeline
+                CAPTURE(pipelined);
+                dev.out.fill(0xff);
+                dev.lse.fill(0xff);
+                oc::sparse_decode_options o;
+                o.num_splits = splits;
+                o.check_tables = true;
+                o.pipelined = pipelined;
+                oc::sparse_decode k(o);
+                k.decode(dev.p);
+                compare(h, dev);
+              }
             }
           }
         }
@@ -235,13 +241,18 @@ TEST_CASE("cuda::sparse_decode: automatic splits and asynchronous mode on a larg
   const oasiskv::kv_layout l{1, 32, 8, 128, 16, oasiskv::dtype::bf16};
   const problem h(l, 4, 1, false, rng);
   device_problem dev(h);
-  oc::sparse_decode_options o;
-  o.asynchronous = true;
-  oc::sparse_decode k(o);
-  CHECK(k.splits_for(4, 1, l) > 1);
-  k.decode(dev.p);
-  k.check_device_status();
-  compare(h, dev);
+  for (const bool pipelined : {false, true}) {
+    CAPTURE(pipelined);
+    dev.out.fill(0xff);
+    oc::sparse_decode_options o;
+    o.asynchronous = true;
+    o.pipelined = pipelined;
+    oc::sparse_decode k(o);
+    CHECK(k.splits_for(4, 1, l) > 1);
+    k.decode(dev.p);
+    k.check_device_status();
+    compare(h, dev);
+  }
 }
 
 TEST_CASE("cuda::sparse_decode: bad input raises before any launch") {
@@ -294,14 +305,18 @@ TEST_CASE("cuda::sparse_decode: the first call's status clear is done before its
   device_problem dev(h);
   cudaStream_t s = nullptr;
   OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  oc::sparse_decode_options o;
-  o.stream = s;
-  o.asynchronous = true;
-  oc::sparse_decode k(o);
-  oasiskv::testing::busy_legacy_stream(200'000'000);
-  k.decode(dev.p);
-  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
-  CHECK(error_code_of([&] { k.check_device_status(); }) == errc::invalid_slot);
+  for (const bool pipelined : {false, true}) {  // both kernels report the bad entry
+    CAPTURE(pipelined);
+    oc::sparse_decode_options o;
+    o.stream = s;
+    o.asynchronous = true;
+    o.pipelined = pipelined;
+    oc::sparse_decode k(o);
+    oasiskv::testing::busy_legacy_stream(200'000'000);
+    k.decode(dev.p);
+    OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(error_code_of([&] { k.check_device_status(); }) == errc::invalid_slot);
+  }
   OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
@@ -317,11 +332,16 @@ TEST_CASE("cuda::sparse_decode: q_len 16 with GQA group 8 (16 row chunks of 8 ro
         const oasiskv::kv_layout l{1, 16, 2, 128, 16, dt};
         const problem h(l, 3, 16, per_head, rng);
         device_problem dev(h);
-        oc::sparse_decode_options o;
-        o.num_splits = splits;
-        o.check_tables = true;
-        oc::sparse_decode(o).decode(dev.p);
-        compare(h, dev);
+        for (const bool pipelined : {false, true}) {
+          CAPTURE(pipelined);
+          dev.out.fill(0xff);
+          oc::sparse_decode_options o;
+          o.num_splits = splits;
+          o.check_tables = true;
+          o.pipelined = pipelined;
+          oc::sparse_decode(o).decode(dev.p);
+          compare(h, dev);
+        }
       }
     }
   }
@@ -332,8 +352,10 @@ TEST_CASE("cuda::sparse_decode: empty tables and null slots give the reference's
   std::mt19937 rng(404);
   for (const bool per_head : {false, true}) {
     for (const std::uint32_t splits : {1u, 4u}) {
+      const bool pipelined = splits == 4;  // each path over empty and null entries
       CAPTURE(per_head);
       CAPTURE(splits);
+      CAPTURE(pipelined);
       const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::bf16};
       problem h(l, 4, 2, per_head, rng);
       // Sequence 0: every table empty. Sequence 1: every entry a null slot (dropped blocks).
@@ -360,6 +382,7 @@ TEST_CASE("cuda::sparse_decode: empty tables and null slots give the reference's
       device_problem dev(h);
       oc::sparse_decode_options o;
       o.num_splits = splits;
+      o.pipelined = pipelined;
       oc::sparse_decode k(o);
       k.decode(dev.p);  // synchronous: a skipped entry other than a null slot would throw
       compare_with_empty(without_null_slots(h), dev);
@@ -428,12 +451,18 @@ TEST_CASE("cuda::sparse_decode: 32 sequences of a 32k context, budget 2048 (the 
     CAPTURE(q_len);
     const problem h = long_context(32, q_len, 128, rng);
     device_problem dev(h);
-    oc::sparse_decode_options o;
-    o.asynchronous = true;  // as the benchmark runs it: automatic splits, no host wait
-    o.check_pointers = false;
-    oc::sparse_decode k(o);
-    k.decode(dev.p);
-    k.check_device_status();
-    compare(h, dev);
+    for (const bool pipelined : {false, true}) {
+      CAPTURE(pipelined);
+      dev.out.fill(0xff);
+      oc::sparse_decode_options o;
+      o.asynchronous = true;  // as the benchmark runs it: automatic splits, no host wait
+      o.check_pointers = false;
+      o.expected_blocks = 128;
+      o.pipelined = pipelined;
+      oc::sparse_decode k(o);
+      k.decode(dev.p);
+      k.check_device_status();
+      compare(h, dev);
+    }
   }
 }
