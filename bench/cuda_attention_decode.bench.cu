@@ -2,7 +2,8 @@
 // GPU benchmarks of the CUDA path. Every figure is a ratio to a ceiling measured in the same run:
 //   read_probe:     a read-only kernel streaming 2 GiB (16-byte loads, several grid shapes, the
 //                   best taken): the device's read bandwidth, the ceiling of a decode, which reads
-//   sparse_decode / dense_decode: cuda::sparse_decode over a budget of 2048 tokens of a 32k
+//   sparse_decode / dense_decode (and _pipelined: the cp.async variant on the same setup):
+//                   cuda::sparse_decode over a budget of 2048 tokens of a 32k
 //                   context (32 q / 8 kv heads, head dim 128, bf16), and over the whole context, at
 //                   the same batches (1, 8, 32, 64 sequences): K/V bytes read per second / the
 //                   read probe's. The KV of 8 and more sequences exceeds a 50 MB L2; every timed
@@ -11,7 +12,7 @@
 //   selection:      cuda::topk_selector (scoring + top-k) over f16 and int8 bounds at 32k, 1 and
 //                   32 sequences / sparse_decode at the same batch and budget   target <= 0.30
 //   device_step:    cuda::device_decode_step replayed from a CUDA graph, 32 sequences at 32k,
-//                   budget 2048: steady and cold / sparse_decode alone          (a figure)
+//                   budget 2048, int8 and f16 bounds: steady and cold / sparse_decode alone
 //   facade_step:    tiered_kv_cache's whole decode step (lookahead prefetch, host predictor) over
 //                   the same step all-resident, timed on the host (the facade's calls are
 //                   synchronous), 1 and 8 sequences                             target <= 1.05
@@ -354,11 +355,16 @@ struct decode_setup {
   }
 };
 
-oc::sparse_decode hot_decoder(cudaStream_t s) {
+// `expected_blocks`: the tables' size, known to a caller that knows its budget (the splits'
+// heuristic takes it, as device_decode_step gives it).
+oc::sparse_decode hot_decoder(cudaStream_t s, std::uint32_t expected_blocks,
+                              bool pipelined = false) {
   oc::sparse_decode_options o;
+  o.pipelined = pipelined;
   o.stream = s;
   o.asynchronous = true;
   o.check_pointers = false;  // the hot path: pointers were checked once
+  o.expected_blocks = expected_blocks;
   return oc::sparse_decode(o);
 }
 
@@ -552,28 +558,36 @@ int main(int argc, char** argv) {
   const oasiskv::kv_layout l{1, 32, 8, 128, 16, oasiskv::dtype::bf16};
   const std::uint32_t context = 2048, budget = 128;
   std::vector<std::pair<std::uint32_t, double>> sparse_ms;  // q_len 1: (sequences, ms)
-  auto decode_row = [&](const char* name, std::uint32_t seqs, std::uint32_t per_seq,
+  // One setup, both kernels: the direct loads (the default, `name`) and the cp.async pipeline
+  // (`name`_pipelined). Returns the default's milliseconds.
+  auto decode_row = [&](const std::string& name, std::uint32_t seqs, std::uint32_t per_seq,
                         std::uint32_t q_len) {
     decode_setup d(l, seqs, context, per_seq, q_len, rng);
-    oc::sparse_decode k = hot_decoder(s);
-    k.decode(d.p);  // allocates the workspace outside the timed region
-    const timing t = clock.run([&] { k.decode(d.p); });
-    k.check_device_status();
-    const double bw = d.selected_bytes() / (t.ms * 1e-3);
-    print(add(name)
-              .num("num_seqs", seqs)
-              .num("q_len", q_len)
-              .num("budget_tokens", per_seq * l.tokens_per_block)
-              .num("context", context * l.tokens_per_block)
-              .num("splits", k.splits_for(seqs, q_len, l))
-              .num("kv_bytes", d.selected_bytes())
-              .flag("kv_exceeds_l2", d.selected_bytes() > l2)
-              .flag("l2_flushed", true)
-              .num("ms", t.ms)
-              .num("GBps", bw / 1e9)
-              .num("ratio_to_read_probe", bw / read_bw)
-              .flag("gated", t.gated));
-    return t.ms;
+    double default_ms = 0.0;
+    for (const bool pipelined : {false, true}) {
+      oc::sparse_decode k = hot_decoder(s, per_seq, pipelined);
+      k.decode(d.p);  // allocates the workspace outside the timed region
+      const timing t = clock.run([&] { k.decode(d.p); });
+      k.check_device_status();
+      const double bw = d.selected_bytes() / (t.ms * 1e-3);
+      print(add(pipelined ? name + "_pipelined" : name)
+                .num("num_seqs", seqs)
+                .num("q_len", q_len)
+                .num("budget_tokens", per_seq * l.tokens_per_block)
+                .num("context", context * l.tokens_per_block)
+                .num("splits", k.splits_for(seqs, q_len, l))
+                .num("kv_bytes", d.selected_bytes())
+                .flag("kv_exceeds_l2", d.selected_bytes() > l2)
+                .flag("l2_flushed", true)
+                .num("ms", t.ms)
+                .num("GBps", bw / 1e9)
+                .num("ratio_to_read_probe", bw / read_bw)
+                .flag("gated", t.gated));
+      if (!pipelined) {
+        default_ms = t.ms;
+      }
+    }
+    return default_ms;
   };
   for (const std::uint32_t seqs : {1u, 8u, 32u, 64u}) {
     for (const std::uint32_t q_len : {1u, 4u}) {
@@ -667,7 +681,7 @@ int main(int argc, char** argv) {
     host.table.refs = d.host_refs.data();
     host.table.offsets = d.host_offsets.data();
     host.seq_lens = d.host_lens.data();
-    oc::sparse_decode own = hot_decoder(s);
+    oc::sparse_decode own = hot_decoder(s, budget);
     oc::flashinfer_decode_options fo;
     fo.stream = s;
     fo.asynchronous = true;
@@ -701,7 +715,8 @@ int main(int argc, char** argv) {
   flush_json();
 #endif
 
-  // 4. The capturable step (device_decode_step) replayed, against its decode alone.
+  // 4. The capturable step (device_decode_step) replayed, against its decode alone, with the
+  // selection over int8 bounds (the one to prefer) and over f16 bounds.
   {
     const std::uint32_t seqs = 32;
     const double decode_ms = std::find_if(sparse_ms.begin(), sparse_ms.end(), [&](const auto& x) {
@@ -712,26 +727,7 @@ int main(int argc, char** argv) {
     void* cap = nullptr;
     BENCH_CHECK(cudaHostAlloc(&cap, cap_slots * l.block_bytes(), cudaHostAllocMapped));
     fill_random(cap, cap_slots * l.block_bytes(), 11);  // through UVA
-    oc::device_minmax_summary sum(l, static_cast<std::uint32_t>(cap_slots));
-    fill_random(const_cast<oasiskv::f16*>(sum.bounds()),
-                std::size_t{l.num_kv_heads} * cap_slots * 2 * l.head_dim * 2, 13);
-    fill_value(sum.tokens(), cap_slots, static_cast<std::uint16_t>(l.tokens_per_block));
     std::byte* fast = device_alloc<std::byte>(std::size_t{seqs} * budget * l.block_bytes());
-    oc::device_decode_step_options so;
-    so.max_seqs = seqs;
-    so.max_blocks = context;
-    so.selection = {budget, 1, 1};
-    so.fast = {fast, l.block_bytes(), seqs * budget, l};
-    so.capacity = {static_cast<std::byte*>(cap), l.block_bytes(),
-                   static_cast<std::uint32_t>(cap_slots), l};
-    oc::device_decode_step step(sum, so);
-    for (std::uint32_t q = 0; q < seqs; ++q) {
-      step.seq_lens()[q] = context * l.tokens_per_block;
-      for (std::uint32_t i = 0; i < context; ++i) {
-        step.summary_ids(q)[i] = q * context + i;
-        step.capacity_slots(q)[i] = q * context + i;
-      }
-    }
     const std::size_t qn = std::size_t{seqs} * l.num_q_heads * l.head_dim;
     std::vector<float> hq(qn);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -740,33 +736,69 @@ int main(int argc, char** argv) {
     }
     float* dq = device_copy(hq);
     float* dout = device_alloc<float>(qn);
-    oc::device_decode_step_io io;
-    io.q = dq;
-    io.lookahead = dq;
-    io.out = dout;
-    io.num_seqs = seqs;
-    step.capture(io, s);
-    step.replay(s);  // the first replay stages every selected block
-    step.check_status(s);
-    // validate_staging (host, O(blocks)) runs inside the gated region: not timed.
-    const timing steady = clock.run([&] { step.replay(s); });
-    const timing cold = clock.run([&] {
-      step.invalidate(s);
-      step.replay(s);
-    });
-    step.check_status(s);
-    const double selected = double(seqs) * budget * static_cast<double>(l.block_bytes());
-    print(add("device_step")
-              .num("num_seqs", seqs)
-              .num("context", context * l.tokens_per_block)
-              .num("budget_tokens", budget * l.tokens_per_block)
-              .num("decode_ms", decode_ms)
-              .num("steady_ms", steady.ms)
-              .num("steady_over_decode", steady.ms / decode_ms)
-              .num("cold_ms", cold.ms)
-              .num("cold_over_decode", cold.ms / decode_ms)
-              .num("cold_h2d_GBps", selected / (cold.ms * 1e-3) / 1e9)
-              .flag("gated", steady.gated && cold.gated));
+    auto run_step = [&](const auto& sum, const char* summary) {
+      oc::device_decode_step_options so;
+      so.max_seqs = seqs;
+      so.max_blocks = context;
+      so.selection = {budget, 1, 1};
+      so.fast = {fast, l.block_bytes(), seqs * budget, l};
+      so.capacity = {static_cast<std::byte*>(cap), l.block_bytes(),
+                     static_cast<std::uint32_t>(cap_slots), l};
+      oc::device_decode_step step(sum, so);
+      for (std::uint32_t q = 0; q < seqs; ++q) {
+        step.seq_lens()[q] = context * l.tokens_per_block;
+        for (std::uint32_t i = 0; i < context; ++i) {
+          step.summary_ids(q)[i] = q * context + i;
+          step.capacity_slots(q)[i] = q * context + i;
+        }
+      }
+      oc::device_decode_step_io io;
+      io.q = dq;
+      io.lookahead = dq;
+      io.out = dout;
+      io.num_seqs = seqs;
+      step.capture(io, s);
+      step.replay(s);  // the first replay stages every selected block
+      step.check_status(s);
+      // validate_staging (host, O(blocks)) runs inside the gated region: not timed.
+      const timing steady = clock.run([&] { step.replay(s); });
+      const timing cold = clock.run([&] {
+        step.invalidate(s);
+        step.replay(s);
+      });
+      step.check_status(s);
+      const double selected = double(seqs) * budget * static_cast<double>(l.block_bytes());
+      print(add("device_step")
+                .str("summary", summary)
+                .num("num_seqs", seqs)
+                .num("context", context * l.tokens_per_block)
+                .num("budget_tokens", budget * l.tokens_per_block)
+                .num("decode_splits", step.config().decode_splits)
+                .num("decode_ms", decode_ms)
+                .num("steady_ms", steady.ms)
+                .num("steady_over_decode", steady.ms / decode_ms)
+                .num("cold_ms", cold.ms)
+                .num("cold_over_decode", cold.ms / decode_ms)
+                .num("cold_h2d_GBps", selected / (cold.ms * 1e-3) / 1e9)
+                .flag("gated", steady.gated && cold.gated));
+    };
+    {
+      oc::device_quantized_minmax_summary sum(l, static_cast<std::uint32_t>(cap_slots));
+      const std::size_t slots = std::size_t{l.num_kv_heads} * cap_slots;
+      fill_random(const_cast<std::uint32_t*>(sum.codes()), slots * l.head_dim / 2 * 4, 13);
+      fill_value(sum.scales(), slots, 1.0f / 64);
+      fill_value(sum.norms(), slots, 1.0f);
+      fill_value(sum.biases(), cap_slots, 0.0f);
+      fill_value(sum.tokens(), cap_slots, static_cast<std::uint16_t>(l.tokens_per_block));
+      run_step(sum, "int8");
+    }
+    {
+      oc::device_minmax_summary sum(l, static_cast<std::uint32_t>(cap_slots));
+      fill_random(const_cast<oasiskv::f16*>(sum.bounds()),
+                  std::size_t{l.num_kv_heads} * cap_slots * 2 * l.head_dim * 2, 13);
+      fill_value(sum.tokens(), cap_slots, static_cast<std::uint16_t>(l.tokens_per_block));
+      run_step(sum, "f16");
+    }
     BENCH_CHECK(cudaFree(dq));
     BENCH_CHECK(cudaFree(dout));
     BENCH_CHECK(cudaFree(fast));
