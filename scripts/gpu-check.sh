@@ -140,12 +140,18 @@ fi
 # 3. The CUDA tests' targets (every test labelled cuda) and the benchmark, built side by side.
 tests=()
 if [ "$configured" = 1 ]; then
+  # The binaries of the tests labelled cuda (test_cuda_<name>, run as <name> and <name>_host).
   mapfile -t tests < <(ctest --test-dir "$build" -N -L cuda 2>/dev/null |
-    sed -nE 's/^ *Test +#[0-9]+: ([A-Za-z0-9_]+)$/\1/p' | sed 's/_host$//' | sort -u)
+    sed -nE 's/^ *Test +#[0-9]+: (test_cuda_[A-Za-z0-9_]+)$/\1/p' | sed 's/_host$//' | sort -u)
+  targets=$(ninja -C "$build" -t targets all 2>/dev/null | sed -nE 's/^([A-Za-z0-9_]+): .*/\1/p')
+  unknown=""
+  for target in "${tests[@]}"; do
+    grep -qx "$target" <<<"$targets" || unknown+=" $target"
+  done
   if [ "${#tests[@]}" -lt 10 ]; then
-    step list-tests fail 0 "ctest -L cuda lists ${#tests[@]} tests"
-  elif ! ninja -C "$build" -t targets all 2>/dev/null | grep -q '^test_cuda_core:'; then
-    step list-tests fail 0 "ninja knows no target test_cuda_core"
+    step list-tests fail 0 "ctest -L cuda lists ${#tests[@]} test binaries"
+  elif [ -n "$unknown" ]; then
+    step list-tests fail 0 "no build target for:$unknown"
   else
     step list-tests pass 0 "${tests[*]}"
   fi
