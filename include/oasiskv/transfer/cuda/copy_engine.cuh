@@ -50,7 +50,8 @@ concept device_memory_tier = addressable_tier<T> &&(T::memory == memory_kind::de
 //!   UVA; the (source, destination) list is staged to device memory on the same stream. Best for
 //!   many small blocks, where a DMA descriptor per block costs more than the block;
 //!   `enqueue_gather` is the same kernel over device-written lists, capturable in a CUDA graph.
-//! - `cudaMemcpyBatchAsync` (CUDA 13 signature) over runs of consecutive slots, each run within
+//! - `cudaMemcpyBatchAsync` (CUDA 13's signature, or 12.8's; one `cudaMemcpyAsync` per run
+//!   before 12.8) over runs of consecutive slots, each run within
 //!   one pinned registration: the copy engines, best for large blocks. Not capturable: a capture
 //!   returns `cudaErrorStreamCaptureUnsupported` and would silently drop the copies, so that code
 //!   is an error here (`errc::unsupported`), never ignored.
@@ -441,6 +442,8 @@ class copy_engine {
       all_small = all_small && bytes <= (std::size_t{128} << 10);
       i = j;
     }
+    cudaError_t e = cudaErrorNotSupported;  // before CUDA 12.8: one cudaMemcpyAsync per run
+#if CUDART_VERSION >= 12080
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.srcLocHint.type = cudaMemLocationTypeHost;
@@ -450,8 +453,17 @@ class copy_engine {
     // Overlap with compute only pays when every copy is small (cuDF #23674).
     attr.flags = all_small ? cudaMemcpyFlagPreferOverlapWithCompute : cudaMemcpyFlagDefault;
     std::size_t attr_index = 0;
-    const cudaError_t e = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
-                                               sizes_.size(), &attr, &attr_index, 1, stream_);
+#if CUDART_VERSION >= 13000
+    e = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), sizes_.size(), &attr,
+                             &attr_index, 1, stream_);
+#else  // CUDA 12.8 and 12.9: non-const arrays and a failure index
+    std::size_t failed_at = 0;
+    e = cudaMemcpyBatchAsync(dsts_.data(), const_cast<void**>(srcs_.data()), sizes_.data(),
+                             sizes_.size(), &attr, &attr_index, 1, &failed_at, stream_);
+#endif
+#else
+    (void)all_small;
+#endif
     if (e == cudaErrorStreamCaptureUnsupported) [[unlikely]] {
       (void)cudaGetLastError();
       oasiskv::detail::raise(errc::unsupported,
