@@ -272,10 +272,15 @@ void flush_json() {
   if (json_path == nullptr) {
     return;
   }
+  // Written whole, then renamed over the last one: a run killed meanwhile (a time limit) leaves
+  // the previous complete file, never half of one.
   const std::string s = ob::report_json(rows, ob::evaluate(rows, ob::cuda_bench_rules()));
-  if (FILE* f = std::fopen(json_path, "w")) {
-    std::fputs(s.c_str(), f);
-    std::fclose(f);
+  const std::string tmp = std::string(json_path) + ".tmp";
+  if (FILE* f = std::fopen(tmp.c_str(), "w")) {
+    const bool ok = std::fputs(s.c_str(), f) >= 0;
+    if (std::fclose(f) == 0 && ok) {
+      std::rename(tmp.c_str(), json_path);
+    }
   }
 }
 

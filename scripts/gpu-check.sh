@@ -33,7 +33,7 @@
 # Compiler warnings are not errors here (OASISKV_WERROR=OFF, no -Werror): another compiler on the
 # GPU machine must not stop the one run; CI builds with -Werror.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
 dry_run=0
 cache=third_party_cache
@@ -118,7 +118,7 @@ else
 fi
 
 # 2. Configure (also in a dry run: the step most likely to meet a difference of the machine).
-build=build-gpu-check
+build="build-gpu-check"
 [ "$dry_run" = 1 ] && build="$out/build"
 configured=0
 if [ "$status" = 0 ]; then
