@@ -68,8 +68,7 @@ void expect_copied(const oc::pinned_host_tier& src, const oc::device_tier& dst,
                    const std::vector<block_copy>& copies) {
   const std::size_t bb = src.layout().block_bytes();
   std::vector<std::byte> back(dst.bytes());
-  OASISKV_CUDA_CHECK(
-      cudaMemcpy(back.data(), dst.slot_data(0), dst.bytes(), cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(back.data(), dst.slot_data(0), dst.bytes());
   std::vector<bool> written(dst.num_slots(), false);
   for (const block_copy& c : copies) {
     written[c.dst] = true;
@@ -122,7 +121,7 @@ TEST_CASE("cuda::copy_engine: scattered blocks arrive byte-exact through both pa
       CHECK(src.registrations() == (64 + 6) / 7);
       fill_random(src, rng);
       oc::device_tier dst(layout, 48);
-      OASISKV_CUDA_CHECK(cudaMemset(dst.slot_data(0), 0xa5, dst.bytes()));
+      oasiskv::testing::fill_device(dst.slot_data(0), 0xa5, dst.bytes());
       oc::copy_engine::options o;
       o.path = path;
       oc::copy_engine engine(o);
@@ -161,7 +160,7 @@ TEST_CASE("cuda::copy_engine: a bad batch throws before anything moves") {
   // A host_tier pinned through its hook is accepted.
   oasiskv::host_tier_options ho;
   ho.pin = [](void* p, std::size_t n) {
-    OASISKV_CUDA_CHECK(cudaHostRegister(p, n, 0));
+    OASISKV_CUDA_CHECK(cudaHostRegister(p, n, cudaHostRegisterMapped));
   };
   ho.unpin = [](void* p, std::size_t) {
     (void)cudaHostUnregister(p);
@@ -171,8 +170,7 @@ TEST_CASE("cuda::copy_engine: a bad batch throws before anything moves") {
   const std::vector<block_copy> c{{3, 5}};
   engine.wait(engine.submit(pinned, dst, c));
   std::vector<std::byte> back(l.block_bytes());
-  OASISKV_CUDA_CHECK(
-      cudaMemcpy(back.data(), dst.slot_data(5), back.size(), cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(back.data(), dst.slot_data(5), back.size());
   CHECK(std::memcmp(back.data(), pinned.slot_data(3), back.size()) == 0);
   CHECK(engine.stats().batches == 1);
 }
@@ -205,7 +203,7 @@ TEST_CASE("cuda::enqueue_gather: captured in a CUDA graph, replayed with device-
   OASISKV_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   OASISKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (std::uint32_t n : {5u, 16u, 0u, 9u}) {
-    OASISKV_CUDA_CHECK(cudaMemset(dst.slot_data(0), 0xa5, dst.bytes()));
+    oasiskv::testing::fill_device(dst.slot_data(0), 0xa5, dst.bytes());
     const auto copies = scattered(n, src.num_slots(), dst.num_slots(), rng);
     std::vector<uint2> list(max_count, make_uint2(0, 0));
     for (std::uint32_t i = 0; i < n; ++i) {
@@ -271,4 +269,30 @@ TEST_CASE("cuda tiers: slots, views and bad arguments") {
     CHECK(allocations == 1);
   }
   CHECK(allocations == 0);
+}
+
+TEST_CASE("cuda::pinned_host_tier: every registration is mapped at the host's addresses") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  // The gather kernels read the capacity tier through its host pointers: each registration must
+  // be mapped into the device's address space (cudaHostRegisterMapped), at the same address
+  // where the device says it can use host pointers.
+  const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
+  oc::pinned_host_tier_options po;
+  po.register_chunk_bytes = l.block_bytes() * 5;
+  oc::pinned_host_tier t(l, 12, po);
+  REQUIRE(t.registrations() == 3);
+  int device = 0, same_address = 0;
+  OASISKV_CUDA_CHECK(cudaGetDevice(&device));
+  OASISKV_CUDA_CHECK(
+      cudaDeviceGetAttribute(&same_address, cudaDevAttrCanUseHostPointerForRegisteredMem, device));
+  for (oasiskv::slot_id s = 0; s < t.num_slots(); s += t.slots_per_chunk()) {
+    CAPTURE(s);
+    void* host = t.slot_data(s);
+    void* dev = nullptr;
+    OASISKV_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+    if (same_address != 0) {
+      CHECK(dev == host);
+      CHECK(oc::detail::query_pointer(host).device_address == host);
+    }
+  }
 }

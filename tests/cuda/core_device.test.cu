@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The core headers in device code: dtype conversions and pool views give on the GPU exactly what
-// they give on the host.
+// they give on the host. And the tests' own setup helpers (cuda_support.cuh): what they write is
+// there for a kernel on a non-blocking stream, however busy the legacy stream is.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -35,6 +37,13 @@ __global__ void sum_keys(oasiskv::block_pool_view pool, std::uint32_t head, floa
   sums[s] = acc;
 }
 
+__global__ void copy_words(const std::uint32_t* from, std::uint32_t* to, std::uint32_t n) {
+  for (std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += gridDim.x * blockDim.x) {
+    to[i] = from[i];
+  }
+}
+
 }  // namespace
 
 TEST_CASE("device: dtype conversions match the host bit for bit") {
@@ -45,8 +54,8 @@ TEST_CASE("device: dtype conversions match the host bit for bit") {
   convert_all_halves<<<256, 256>>>(d_f16, d_bf16);
   OASISKV_CUDA_CHECK(cudaGetLastError());
   std::vector<std::uint16_t> f16s(65536), bf16s(65536);
-  OASISKV_CUDA_CHECK(cudaMemcpy(f16s.data(), d_f16, 65536 * 2, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(bf16s.data(), d_bf16, 65536 * 2, cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(f16s.data(), d_f16, 65536 * 2);
+  oasiskv::testing::copy_to_host(bf16s.data(), d_bf16, 65536 * 2);
   for (std::uint32_t b = 0; b <= 0xffff; ++b) {
     const auto h = oasiskv::f16{static_cast<std::uint16_t>(b)};
     const auto v = oasiskv::bf16{static_cast<std::uint16_t>(b)};
@@ -69,12 +78,11 @@ TEST_CASE("device: block_pool_view addresses the same bytes as on the host") {
   float* d_sums = nullptr;
   OASISKV_CUDA_CHECK(cudaMalloc(&d_pool, host.size() * 2));
   OASISKV_CUDA_CHECK(cudaMalloc(&d_sums, slots * sizeof(float)));
-  OASISKV_CUDA_CHECK(cudaMemcpy(d_pool, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  oasiskv::testing::copy_to_device(d_pool, host.data(), host.size() * 2);
   const oasiskv::block_pool_view dev{d_pool, l.block_bytes(), slots, l};
   sum_keys<<<slots, 1>>>(dev, 1, d_sums);
   std::vector<float> sums(slots);
-  OASISKV_CUDA_CHECK(
-      cudaMemcpy(sums.data(), d_sums, slots * sizeof(float), cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(sums.data(), d_sums, slots * sizeof(float));
   const oasiskv::block_pool_view hv{reinterpret_cast<std::byte*>(host.data()), l.block_bytes(),
                                     slots, l};
   for (oasiskv::slot_id s = 0; s < slots; ++s) {
@@ -87,4 +95,30 @@ TEST_CASE("device: block_pool_view addresses the same bytes as on the host") {
   }
   cudaFree(d_pool);
   cudaFree(d_sums);
+}
+
+TEST_CASE("test setup: fills and uploads are complete before a non-blocking stream runs") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  // A cudaMemset queued behind 200 ms of work on the legacy stream would still be pending when
+  // a kernel on a non-blocking stream reads the buffer, unless the helper waits for it.
+  constexpr std::uint32_t n = 1 << 16;
+  oasiskv::testing::device_buffer<std::uint32_t> src(n), dst(n);
+  src.fill(0);
+  cudaStream_t s = nullptr;
+  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::busy_legacy_stream(200'000'000);
+  src.fill(0x5a);
+  copy_words<<<64, 256, 0, s>>>(src.get(), dst.get(), n);
+  OASISKV_CUDA_CHECK(cudaGetLastError());
+  OASISKV_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<std::uint32_t> got = dst.download();
+  CHECK(std::count(got.begin(), got.end(), 0x5a5a5a5au) == n);
+  // The same for an upload from pageable memory.
+  oasiskv::testing::busy_legacy_stream(200'000'000);
+  src.upload(std::vector<std::uint32_t>(n, 7u));
+  copy_words<<<64, 256, 0, s>>>(src.get(), dst.get(), n);
+  OASISKV_CUDA_CHECK(cudaStreamSynchronize(s));
+  got = dst.download();
+  CHECK(std::count(got.begin(), got.end(), 7u) == n);
+  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
 }

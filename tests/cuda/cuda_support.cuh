@@ -40,6 +40,47 @@ inline void require_cuda_device_or_skip() {
 
 namespace oasiskv::testing {
 
+// Setup and readback that are complete when they return. cudaMemset is asynchronous and a
+// pageable cudaMemcpy to the device may return before its DMA lands, both on the legacy default
+// stream, which a cudaStreamNonBlocking stream does not wait for: a kernel launched there next
+// could run before them. These wait for the whole device instead.
+
+namespace detail {
+// Keeps its stream busy for `ns` nanoseconds of the global timer.
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+}  // namespace detail
+
+//! Queues `ns` nanoseconds of work on the legacy default stream and returns at once: what is
+//! queued there next runs only after it, which makes a missing wait between streams fail the
+//! test that uses it instead of passing by luck.
+inline void busy_legacy_stream(unsigned long long ns) {
+  detail::spin_kernel<<<1, 1>>>(ns);
+  OASISKV_CUDA_CHECK(cudaGetLastError());
+}
+
+//! cudaMemset, finished before returning.
+inline void fill_device(void* p, int byte, std::size_t bytes) {
+  OASISKV_CUDA_CHECK(cudaMemset(p, byte, bytes));
+  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+}
+//! cudaMemcpy to device memory, finished before returning.
+inline void copy_to_device(void* dst, const void* src, std::size_t bytes) {
+  OASISKV_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+}
+//! cudaMemcpy from device memory after every stream's work (the legacy stream's cudaMemcpy does
+//! not wait for non-blocking streams).
+inline void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+  OASISKV_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
 //! A device array that frees itself; copies to and from host vectors.
 template <class T>
 class device_buffer {
@@ -62,15 +103,19 @@ class device_buffer {
   ~device_buffer() { (void)cudaFree(p_); }
   T* get() const noexcept { return p_; }
   std::size_t size() const noexcept { return n_; }
+  //! Copies `v` in, finished before returning (`copy_to_device`).
   void upload(const std::vector<T>& v) {
     REQUIRE(v.size() <= n_);
-    OASISKV_CUDA_CHECK(cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    copy_to_device(p_, v.data(), v.size() * sizeof(T));
   }
+  //! Copies everything out after all work on every stream (`copy_to_host`).
   std::vector<T> download() const {
     std::vector<T> v(n_);
-    OASISKV_CUDA_CHECK(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    copy_to_host(v.data(), p_, n_ * sizeof(T));
     return v;
   }
+  //! Sets every byte to `byte`, finished before returning (`fill_device`).
+  void fill(int byte) { fill_device(p_, byte, n_ * sizeof(T)); }
 
  private:
   T* p_ = nullptr;

@@ -85,12 +85,11 @@ void check_same(const oc::device_quantized_minmax_summary& ds,
   std::vector<float> scales(slots), norms(slots), biases(cap);
   std::vector<std::uint16_t> tokens(cap);
   OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
-  OASISKV_CUDA_CHECK(
-      cudaMemcpy(codes.data(), ds.codes(), codes.size() * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(scales.data(), ds.scales(), slots * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(norms.data(), ds.norms(), slots * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(biases.data(), ds.biases(), cap * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(tokens.data(), ds.tokens(), cap * 2, cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(codes.data(), ds.codes(), codes.size() * 4);
+  oasiskv::testing::copy_to_host(scales.data(), ds.scales(), slots * 4);
+  oasiskv::testing::copy_to_host(norms.data(), ds.norms(), slots * 4);
+  oasiskv::testing::copy_to_host(biases.data(), ds.biases(), cap * 4);
+  oasiskv::testing::copy_to_host(tokens.data(), ds.tokens(), cap * 2);
   std::vector<std::uint32_t> words(pairs);
   for (std::uint32_t e = 0; e < cap; ++e) {
     CAPTURE(e);
@@ -207,7 +206,7 @@ TEST_CASE(
   const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
   oc::device_quantized_minmax_summary ds(l, 4);
   device_buffer<oasiskv::f16> rows(std::size_t{17} * l.num_kv_heads * l.head_dim);
-  OASISKV_CUDA_CHECK(cudaMemset(rows.get(), 0, rows.size() * sizeof(oasiskv::f16)));
+  oasiskv::testing::fill_device(rows.get(), 0, rows.size() * sizeof(oasiskv::f16));
   ds.update(1, rows.get(), 10);
   std::string what;
   CHECK(error_code_of([&] { ds.update(1, rows.get(), 7); }, &what) == errc::out_of_range);
@@ -239,8 +238,7 @@ TEST_CASE(
   CHECK(what.find("entry 6") != std::string::npos);
   OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<std::uint16_t> tokens(4);
-  OASISKV_CUDA_CHECK(cudaMemcpy(tokens.data(), ds.tokens(), tokens.size() * sizeof(std::uint16_t),
-                                cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(tokens.data(), ds.tokens(), tokens.size() * sizeof(std::uint16_t));
   CHECK(tokens == std::vector<std::uint16_t>{0, 10, 0, 0});
 }
 
@@ -265,12 +263,11 @@ qstate state_of(const oc::device_quantized_minmax_summary& ds) {
   st.biases.resize(cap);
   st.tokens.resize(cap);
   OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
-  OASISKV_CUDA_CHECK(
-      cudaMemcpy(st.codes.data(), ds.codes(), st.codes.size() * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(st.scales.data(), ds.scales(), slots * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(st.norms.data(), ds.norms(), slots * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(st.biases.data(), ds.biases(), cap * 4, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(cudaMemcpy(st.tokens.data(), ds.tokens(), cap * 2, cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(st.codes.data(), ds.codes(), st.codes.size() * 4);
+  oasiskv::testing::copy_to_host(st.scales.data(), ds.scales(), slots * 4);
+  oasiskv::testing::copy_to_host(st.norms.data(), ds.norms(), slots * 4);
+  oasiskv::testing::copy_to_host(st.biases.data(), ds.biases(), cap * 4);
+  oasiskv::testing::copy_to_host(st.tokens.data(), ds.tokens(), cap * 2);
   return st;
 }
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <set>
 #include <string>
@@ -20,6 +21,7 @@
 #include "oasiskv/cache/cuda/device_decode_step.cuh"
 #include "oasiskv/cuda/cuda.cuh"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
+#include "oasiskv/summary/quantized_minmax_summary.hpp"
 
 namespace {
 
@@ -395,7 +397,7 @@ TEST_CASE(
     dq.upload(q);
     dlook.upload(look);
     for (auto* b : {&out_a, &out_b}) {
-      OASISKV_CUDA_CHECK(cudaMemset(b->get(), 0xff, b->size() * sizeof(float)));  // NaN
+      oasiskv::testing::fill_device(b->get(), 0xff, b->size() * sizeof(float));  // NaN
     }
     if (step == 3) {
       direct.invalidate(s);  // forgets what is staged: every selected block is copied again
@@ -420,13 +422,12 @@ TEST_CASE(
     for (oc::device_decode_step* st : {&direct, &graph}) {
       const std::byte* fast = st == &direct ? fast_a.get() : fast_b.get();
       std::vector<std::uint32_t> off(num_seqs + 1);
-      OASISKV_CUDA_CHECK(
-          cudaMemcpy(off.data(), st->device_offsets(), off.size() * 4, cudaMemcpyDeviceToHost));
+      oasiskv::testing::copy_to_host(off.data(), st->device_offsets(), off.size() * 4);
       std::vector<block_ref> refs(off.back());
-      OASISKV_CUDA_CHECK(cudaMemcpy(refs.data(), st->device_refs(), refs.size() * sizeof(block_ref),
-                                    cudaMemcpyDeviceToHost));
+      oasiskv::testing::copy_to_host(refs.data(), st->device_refs(),
+                                     refs.size() * sizeof(block_ref));
       std::uint32_t copies = 0;
-      OASISKV_CUDA_CHECK(cudaMemcpy(&copies, st->device_copy_count(), 4, cudaMemcpyDeviceToHost));
+      oasiskv::testing::copy_to_host(&copies, st->device_copy_count(), 4);
       if (step == 0 || (step == 3 && st == &direct)) {
         CHECK(copies == off.back());  // nothing was staged
       } else {
@@ -445,8 +446,8 @@ TEST_CASE(
           REQUIRE(r.slot >= first_slot + q * sp.budget_blocks);
           REQUIRE(r.slot < first_slot + (q + 1) * sp.budget_blocks);
           CHECK(used.insert(r.slot).second);
-          OASISKV_CUDA_CHECK(cudaMemcpy(slot.data(), fast + std::size_t{r.slot} * l.block_bytes(),
-                                        slot.size(), cudaMemcpyDeviceToHost));
+          oasiskv::testing::copy_to_host(slot.data(), fast + std::size_t{r.slot} * l.block_bytes(),
+                                         slot.size());
           const std::byte* want = w.block(w.ids[std::size_t{q} * max_blocks + r.index]);
           const std::uint32_t fill = oasiskv::block_fill(l, r.index, w.lens[q]);
           for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
@@ -486,6 +487,142 @@ TEST_CASE(
       REQUIRE(std::isfinite(ref_lse[i]));
       CHECK(std::fabs(la[i] - ref_lse[i]) <= 1e-3f * std::max(1.0f, std::fabs(ref_lse[i])));
     }
+  }
+  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST_CASE("device_decode_step over int8 bounds: topk_selector's tables, staged and decoded") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  // The step reads a device_quantized_minmax_summary: its tables must be those of a
+  // topk_selector over the same summary and queries (the same kernels), each selected block in
+  // a slot of its sequence holding its current tokens, and its output the reference's over those
+  // tables, across an append (the grown last blocks copied again).
+  std::mt19937 rng(3131);
+  const oasiskv::kv_layout l{1, 8, 2, 128, 16, oasiskv::dtype::bf16};
+  const std::uint32_t num_seqs = 3, max_blocks = 40, tokens = 2;
+  const oasiskv::selection_params sp{10, 1, 2};
+  world w(l, num_seqs, max_blocks, rng);
+  oasiskv::quantized_minmax_summary qs(l, w.slots);
+  for (std::uint32_t s = 0; s < num_seqs; ++s) {
+    for (std::uint32_t i = 0; i < l.blocks_for(w.lens[s]); ++i) {
+      const std::uint32_t id = w.ids[std::size_t{s} * max_blocks + i];
+      qs.update(id, w.block(id), 0, oasiskv::block_fill(l, i, w.lens[s]));
+    }
+  }
+  std::vector<std::uint32_t> all(w.slots);
+  std::iota(all.begin(), all.end(), 0u);
+  oc::device_quantized_minmax_summary ds(l, w.slots);
+  ds.upload(qs, all);
+  device_buffer<std::byte> fast(std::size_t{num_seqs} * sp.budget_blocks * l.block_bytes());
+  oc::device_decode_step_options o;
+  o.max_seqs = num_seqs;
+  o.max_blocks = max_blocks;
+  o.selection = sp;
+  o.max_lookahead = tokens;
+  o.capacity = {w.capacity, l.block_bytes(), w.slots, l};
+  o.fast = {fast.get(), l.block_bytes(), num_seqs * sp.budget_blocks, l};
+  oc::device_decode_step step(ds, o);
+  CHECK(step.int8_bounds());
+  const std::size_t q_elems = std::size_t{num_seqs} * l.num_q_heads * l.head_dim;
+  device_buffer<float> dq(q_elems), dlook(q_elems * tokens), out(q_elems),
+      lse(q_elems / l.head_dim);
+  device_buffer<std::uint32_t> lens(num_seqs), ids(w.ids);
+  device_buffer<oasiskv::slot_id> staged(w.ids.size());
+  device_buffer<block_ref> refs(std::size_t{num_seqs} * sp.budget_blocks);
+  device_buffer<std::uint32_t> offsets(num_seqs + 1);
+  for (std::uint32_t q = 0; q < num_seqs; ++q) {
+    for (std::uint32_t i = 0; i < max_blocks; ++i) {
+      step.summary_ids(q)[i] = w.ids[std::size_t{q} * max_blocks + i];
+      step.capacity_slots(q)[i] = w.ids[std::size_t{q} * max_blocks + i];
+    }
+  }
+  oc::device_decode_step_io x;
+  x.q = dq.get();
+  x.lookahead = dlook.get();
+  x.out = out.get();
+  x.lse = lse.get();
+  x.num_seqs = num_seqs;
+  x.lookahead_tokens = tokens;
+  cudaStream_t s = nullptr;
+  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oc::topk_selector alone;
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    if (round == 1) {  // a token more per sequence: fresh keys, the summary updated
+      for (std::uint32_t q = 0; q < num_seqs; ++q) {
+        const std::uint32_t b = w.lens[q] / l.tokens_per_block;
+        const std::uint32_t id = w.ids[std::size_t{q} * max_blocks + b];
+        w.append(q, 1, rng);
+        qs.update(id, w.block(id), (w.lens[q] - 1) % l.tokens_per_block, 1);
+        const std::uint32_t one[] = {id};
+        ds.upload(qs, one);
+      }
+      OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    step.wait_staging();
+    for (std::uint32_t q = 0; q < num_seqs; ++q) {
+      step.seq_lens()[q] = w.lens[q];
+    }
+    const auto q = oasiskv::testing::random_floats(dq.size(), rng);
+    const auto look = oasiskv::testing::random_floats(dlook.size(), rng);
+    dq.upload(q);
+    dlook.upload(look);
+    out.fill(0xff);
+    step.enqueue(x, s);
+    step.check_status(s);
+    // The same selection by a topk_selector alone.
+    lens.upload(w.lens);
+    oc::topk_request r;
+    r.queries = dlook.get();
+    r.num_tokens = tokens;
+    r.seq_lens = lens.get();
+    r.summary_ids = ids.get();
+    r.staged_slots = staged.get();
+    r.refs = refs.get();
+    r.offsets = offsets.get();
+    r.num_seqs = num_seqs;
+    r.max_blocks = max_blocks;
+    r.params = sp;
+    alone.select(ds, r);
+    alone.check_status();
+    const auto want_off = offsets.download();
+    const auto want_refs = refs.download();
+    std::vector<std::uint32_t> off(num_seqs + 1);
+    oasiskv::testing::copy_to_host(off.data(), step.device_offsets(), off.size() * 4);
+    REQUIRE(off == want_off);
+    std::vector<block_ref> got(off.back());
+    oasiskv::testing::copy_to_host(got.data(), step.device_refs(), got.size() * sizeof(block_ref));
+    std::vector<block_ref> hrefs;
+    std::vector<std::byte> slot(l.block_bytes());
+    for (std::uint32_t i = 0; i < off.back(); ++i) {
+      CHECK(got[i].index == want_refs[i].index);
+      const std::uint32_t seq =
+          static_cast<std::uint32_t>(std::upper_bound(off.begin(), off.end(), i) - off.begin() - 1);
+      const std::uint32_t id = w.ids[std::size_t{seq} * max_blocks + got[i].index];
+      hrefs.push_back({id, got[i].index});
+      oasiskv::testing::copy_to_host(
+          slot.data(), fast.get() + std::size_t{got[i].slot} * l.block_bytes(), slot.size());
+      const std::uint32_t fill = oasiskv::block_fill(l, got[i].index, w.lens[seq]);
+      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+        CHECK(std::memcmp(slot.data() + l.key_offset(h), w.block(id) + l.key_offset(h),
+                          fill * l.row_bytes()) == 0);
+        CHECK(std::memcmp(slot.data() + l.value_offset(h), w.block(id) + l.value_offset(h),
+                          fill * l.row_bytes()) == 0);
+      }
+    }
+    std::vector<float> ref_out(q_elems), ref_lse(q_elems / l.head_dim);
+    oasiskv::decode_params hp;
+    hp.q = q.data();
+    hp.pool = {w.capacity, l.block_bytes(), w.slots, l};
+    hp.table = {hrefs.data(), off.data(), num_seqs, 1};
+    hp.seq_lens = w.lens.data();
+    hp.out = ref_out.data();
+    hp.lse = ref_lse.data();
+    hp.num_seqs = num_seqs;
+    hp.q_len = 1;
+    hp.scale = 1.0f / std::sqrt(static_cast<float>(l.head_dim));
+    oasiskv::reference_decode{}.decode(hp);
+    CHECK(relative_l2(out.download(), ref_out) < 1e-4);
   }
   OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
 }

@@ -88,11 +88,9 @@ void check_same(const oc::device_minmax_summary& ds,
   const oasiskv::kv_layout& l = ds.layout();
   std::vector<oasiskv::f16> all(std::size_t{l.num_kv_heads} * ds.capacity() * 2 * l.head_dim);
   OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
-  OASISKV_CUDA_CHECK(cudaMemcpy(all.data(), ds.bounds(), all.size() * sizeof(oasiskv::f16),
-                                cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(all.data(), ds.bounds(), all.size() * sizeof(oasiskv::f16));
   std::vector<std::uint16_t> tokens(ds.capacity());
-  OASISKV_CUDA_CHECK(cudaMemcpy(tokens.data(), ds.tokens(), tokens.size() * sizeof(std::uint16_t),
-                                cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(tokens.data(), ds.tokens(), tokens.size() * sizeof(std::uint16_t));
   for (std::uint32_t e = 0; e < ds.capacity(); ++e) {
     CAPTURE(e);
     CHECK(tokens[e] == hs.tokens(e));
@@ -193,7 +191,7 @@ TEST_CASE("device_minmax_summary: bad input throws, naming the values, before an
   const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
   oc::device_minmax_summary ds(l, 4);
   device_buffer<oasiskv::f16> rows(std::size_t{17} * l.num_kv_heads * l.head_dim);
-  OASISKV_CUDA_CHECK(cudaMemset(rows.get(), 0, rows.size() * sizeof(oasiskv::f16)));
+  oasiskv::testing::fill_device(rows.get(), 0, rows.size() * sizeof(oasiskv::f16));
   ds.update(1, rows.get(), 10);
   std::string what;
   CHECK(error_code_of([&] { ds.update(1, rows.get(), 7); }, &what) == errc::out_of_range);
@@ -212,8 +210,7 @@ TEST_CASE("device_minmax_summary: bad input throws, naming the values, before an
   CHECK(error_code_of([&] { ds.reset(9); }) == errc::out_of_range);
   OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<std::uint16_t> tokens(4);
-  OASISKV_CUDA_CHECK(cudaMemcpy(tokens.data(), ds.tokens(), tokens.size() * sizeof(std::uint16_t),
-                                cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(tokens.data(), ds.tokens(), tokens.size() * sizeof(std::uint16_t));
   CHECK(tokens == std::vector<std::uint16_t>{0, 10, 0, 0});
 }
 
@@ -231,10 +228,8 @@ minmax_state state_of(const oc::device_minmax_summary& ds) {
   st.bounds.resize(std::size_t{l.num_kv_heads} * ds.capacity() * 2 * l.head_dim);
   st.tokens.resize(ds.capacity());
   OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
-  OASISKV_CUDA_CHECK(
-      cudaMemcpy(st.bounds.data(), ds.bounds(), st.bounds.size() * 2, cudaMemcpyDeviceToHost));
-  OASISKV_CUDA_CHECK(
-      cudaMemcpy(st.tokens.data(), ds.tokens(), st.tokens.size() * 2, cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(st.bounds.data(), ds.bounds(), st.bounds.size() * 2);
+  oasiskv::testing::copy_to_host(st.tokens.data(), ds.tokens(), st.tokens.size() * 2);
   return st;
 }
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -141,8 +142,8 @@ struct device_problem {
     poison();
   }
   void poison() {  // every element must be written: NaN where one is not
-    OASISKV_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * sizeof(float)));
-    OASISKV_CUDA_CHECK(cudaMemset(lse.get(), 0xff, lse.size() * sizeof(float)));
+    oasiskv::testing::fill_device(out.get(), 0xff, out.size() * sizeof(float));
+    oasiskv::testing::fill_device(lse.get(), 0xff, lse.size() * sizeof(float));
   }
 };
 
@@ -208,8 +209,15 @@ TEST_CASE("cuda::flashinfer_decode and cuda::sparse_decode match reference_decod
             dev.poison();
             oc::flashinfer_decode_options fo;
             fo.split = split;
-            oc::flashinfer_decode(fo).decode(dev.p);
+            oc::flashinfer_decode k(fo);
+            k.decode(dev.p);
             const result fi{dev.out.download(), dev.lse.download()};
+            // 14 pages per request of 16 tokens: FlashInfer's planner splits them (pages of 7
+            // tokens: a chunk of 18 pages holds them whole); a split plan has its workspace.
+            const oc::flashinfer_decode::plan_info plan = k.last_plan();
+            CHECK(plan.split == (split == oc::flashinfer_split::automatic && tpb == 16));
+            CHECK(plan.tiles >= plan.requests);
+            CHECK(plan.allocated_bytes >= plan.workspace_bytes);
             compare(fi, want, fi_tol, 1e-3f);
             compare(fi, own, fi_tol, 1e-3f);
           }
@@ -385,5 +393,85 @@ TEST_CASE("tiered_kv_cache with cuda::flashinfer_decode as its kernel matches th
       }
     }
     CHECK(cache.audit() > 0);
+  }
+}
+
+TEST_CASE("cuda::flashinfer_decode: a split plan writes each row once, nothing past the outputs") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  // Split plans have more tiles than requests; FlashInfer's kernel writes tile rows, which are
+  // the requests' rows only after the merge. Outputs with guard rows after them must come out
+  // as the reference, the guards untouched; also with an empty table and a null slot.
+  std::mt19937 rng(1445);
+  const oasiskv::kv_layout l{1, 16, 2, 128, 16, oasiskv::dtype::bf16};  // GQA group 8
+  for (const std::uint32_t q_len : {1u, 16u}) {  // q_len 16: 16 requests per sequence
+    CAPTURE(q_len);
+    problem h(l, 3, q_len, rng);
+    // Sequence 1 selects nothing (an empty table); sequence 2 drops a block (a null slot).
+    problem without = h;
+    const std::uint32_t drop = h.offsets[2];
+    h.refs[drop].slot = oasiskv::null_slot;
+    without.refs.erase(without.refs.begin() + drop);
+    for (std::size_t i = 3; i < without.offsets.size(); ++i) {
+      without.offsets[i] -= 1;
+    }
+    const std::uint32_t first = h.offsets[1], last = h.offsets[2];
+    for (problem* x : {&h, &without}) {
+      x->refs.erase(x->refs.begin() + first, x->refs.begin() + last);
+      for (std::size_t i = 2; i < x->offsets.size(); ++i) {
+        x->offsets[i] -= last - first;
+      }
+    }
+    const result want = reference(without);
+    const std::size_t rows = want.lse.size(), guard = 4096;
+    device_problem dev(h);
+    device_buffer<float> out(rows * l.head_dim + guard * l.head_dim), lse(rows + guard);
+    out.fill(0xff);
+    lse.fill(0xff);
+    oasiskv::decode_params p = dev.p;
+    p.out = out.get();
+    p.lse = lse.get();
+    oc::flashinfer_decode k;
+    k.decode(p);
+    const oc::flashinfer_decode::plan_info plan = k.last_plan();
+    CHECK(plan.split);
+    CHECK(plan.tiles > plan.requests);
+    CHECK(plan.allocated_bytes >= plan.workspace_bytes);
+    const auto got_out = out.download();
+    const auto got_lse = lse.download();
+    const std::uint32_t poison = 0xffffffffu;
+    for (std::size_t i = rows * l.head_dim; i < got_out.size(); ++i) {
+      std::uint32_t bits = 0;
+      std::memcpy(&bits, &got_out[i], 4);
+      REQUIRE(bits == poison);
+    }
+    for (std::size_t i = rows; i < got_lse.size(); ++i) {
+      std::uint32_t bits = 0;
+      std::memcpy(&bits, &got_lse[i], 4);
+      REQUIRE(bits == poison);
+    }
+    // Sequence 1's rows: out 0, lse -inf (the reference's, for an empty table).
+    const std::size_t per_seq = std::size_t{q_len} * l.num_q_heads;
+    result rest{{}, {}};
+    result want_rest{{}, {}};
+    for (std::size_t r = 0; r < rows; ++r) {
+      const bool empty = r / per_seq == 1;
+      for (std::uint32_t x = 0; x < l.head_dim; ++x) {
+        const float v = got_out[r * l.head_dim + x];
+        if (empty) {
+          REQUIRE(v == 0.0f);
+        } else {
+          rest.out.push_back(v);
+          want_rest.out.push_back(want.out[r * l.head_dim + x]);
+        }
+      }
+      if (empty) {
+        CHECK(std::isinf(got_lse[r]));
+        CHECK(got_lse[r] < 0.0f);
+      } else {
+        rest.lse.push_back(got_lse[r]);
+        want_rest.lse.push_back(want.lse[r]);
+      }
+    }
+    compare(rest, want_rest, 8e-3, 1e-3f);
   }
 }

@@ -170,12 +170,12 @@ void run(std::uint32_t budget_tokens, bool dense) {
   REQUIRE(x != null_slot);
   std::byte* byte = cache.fast_tier().slot_data(f) + 5;  // device memory: the test's back door
   std::byte saved{};
-  OASISKV_CUDA_CHECK(cudaMemcpy(&saved, byte, 1, cudaMemcpyDeviceToHost));
+  oasiskv::testing::copy_to_host(&saved, byte, 1);
   const std::byte flipped = ~saved;
-  OASISKV_CUDA_CHECK(cudaMemcpy(byte, &flipped, 1, cudaMemcpyHostToDevice));
+  oasiskv::testing::copy_to_device(byte, &flipped, 1);
   expect_error([&] { cache.audit(); }, errc::invalid_argument,
                "staged copy of capacity slot " + std::to_string(x));
-  OASISKV_CUDA_CHECK(cudaMemcpy(byte, &saved, 1, cudaMemcpyHostToDevice));
+  oasiskv::testing::copy_to_device(byte, &saved, 1);
   CHECK(cache.audit() == compared);
 }
 
@@ -259,4 +259,21 @@ TEST_CASE("cuda::device_tier: write_slot and read_slot copy part of a slot, chec
     CHECK(moved.stream() == stream);
   }
   OASISKV_CUDA_CHECK(cudaStreamDestroy(stream));  // the tier did not own it
+}
+
+TEST_CASE("cuda::device_tier: zeroing at construction is finished before the tier's first write") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  // The zeroing must not wait behind the legacy stream's work and land after a write on the
+  // tier's own (non-blocking) stream.
+  const std::size_t bb = layout.block_bytes();
+  oasiskv::testing::busy_legacy_stream(200'000'000);
+  oasiskv::cuda::device_tier t(layout, 2, {.zero = true});
+  const std::vector<std::byte> in(bb, std::byte{0x11});
+  t.write_slot(1, 0, in.data(), bb);
+  OASISKV_CUDA_CHECK(cudaDeviceSynchronize());  // the legacy stream's work is done too
+  std::vector<std::byte> out(bb);
+  t.read_slot(1, 0, out.data(), bb);
+  CHECK(out == in);
+  t.read_slot(0, 0, out.data(), bb);
+  CHECK(out == std::vector<std::byte>(bb));
 }

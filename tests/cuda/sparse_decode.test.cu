@@ -123,8 +123,8 @@ struct device_problem {
     p.table.offsets = offsets.get();
     p.seq_lens = lens.get();
     // Poison: every element must be written.
-    OASISKV_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * sizeof(float)));
-    OASISKV_CUDA_CHECK(cudaMemset(lse.get(), 0xff, lse.size() * sizeof(float)));
+    oasiskv::testing::fill_device(out.get(), 0xff, out.size() * sizeof(float));
+    oasiskv::testing::fill_device(lse.get(), 0xff, lse.size() * sizeof(float));
   }
 };
 
@@ -145,6 +145,53 @@ void compare(const problem& h, const device_problem& d) {
     REQUIRE(std::isfinite(lse[i]));
     CHECK(std::abs(lse[i] - ref_lse[i]) < 1e-3f * std::max(1.0f, std::abs(ref_lse[i])));
   }
+}
+
+// The device outputs against the reference where tables may be empty: such rows must be exactly
+// out 0 and lse -inf (the reference's), the others as `compare` requires.
+void compare_with_empty(const problem& reference_input, const device_problem& d) {
+  const problem& h = reference_input;
+  std::vector<float> ref_out(h.q.size()), ref_lse(h.q.size() / h.layout.head_dim);
+  oasiskv::reference_decode{}.decode(h.host_params(ref_out.data(), ref_lse.data()));
+  const auto out = d.out.download();
+  const auto lse = d.lse.download();
+  const std::uint32_t dim = h.layout.head_dim;
+  double num = 0.0, den = 0.0;
+  for (std::size_t row = 0; row < lse.size(); ++row) {
+    CAPTURE(row);
+    if (std::isinf(ref_lse[row])) {
+      CHECK(lse[row] == ref_lse[row]);
+      for (std::uint32_t x = 0; x < dim; ++x) {
+        REQUIRE(out[row * dim + x] == 0.0f);
+      }
+      continue;
+    }
+    REQUIRE(std::isfinite(lse[row]));
+    CHECK(std::abs(lse[row] - ref_lse[row]) < 1e-3f * std::max(1.0f, std::abs(ref_lse[row])));
+    for (std::uint32_t x = 0; x < dim; ++x) {
+      const std::size_t i = row * dim + x;
+      REQUIRE(std::isfinite(out[i]));
+      num += (double{out[i]} - ref_out[i]) * (double{out[i]} - ref_out[i]);
+      den += double{ref_out[i]} * ref_out[i];
+    }
+  }
+  CHECK(std::sqrt(num / den) < 1e-4);
+}
+
+// `h` without its null_slot entries (which the kernels skip and the reference refuses).
+problem without_null_slots(const problem& h) {
+  problem w = h;
+  w.refs.clear();
+  w.offsets.assign(1, 0);
+  for (std::size_t t = 0; t + 1 < h.offsets.size(); ++t) {
+    for (std::uint32_t i = h.offsets[t]; i < h.offsets[t + 1]; ++i) {
+      if (h.refs[i].slot != oasiskv::null_slot) {
+        w.refs.push_back(h.refs[i]);
+      }
+    }
+    w.offsets.push_back(static_cast<std::uint32_t>(w.refs.size()));
+  }
+  return w;
 }
 
 }  // namespace
@@ -168,12 +215,18 @@ TEST_CASE("cuda::sparse_decode matches reference_decode") {
               CAPTURE(splits);
               const problem h(l, 3, q_len, per_head, rng);
               device_problem dev(h);
-              oc::sparse_decode_options o;
-              o.num_splits = splits;
-              o.check_tables = true;
-              oc::sparse_decode k(o);
-              k.decode(dev.p);
-              compare(h, dev);
+              for (const bool pipelined : {false, true}) {  // direct loads, cp.async pipeline
+                CAPTURE(pipelined);
+                dev.out.fill(0xff);
+                dev.lse.fill(0xff);
+                oc::sparse_decode_options o;
+                o.num_splits = splits;
+                o.check_tables = true;
+                o.pipelined = pipelined;
+                oc::sparse_decode k(o);
+                k.decode(dev.p);
+                compare(h, dev);
+              }
             }
           }
         }
@@ -188,13 +241,18 @@ TEST_CASE("cuda::sparse_decode: automatic splits and asynchronous mode on a larg
   const oasiskv::kv_layout l{1, 32, 8, 128, 16, oasiskv::dtype::bf16};
   const problem h(l, 4, 1, false, rng);
   device_problem dev(h);
-  oc::sparse_decode_options o;
-  o.asynchronous = true;
-  oc::sparse_decode k(o);
-  CHECK(k.splits_for(4, 1, l) > 1);
-  k.decode(dev.p);
-  k.check_device_status();
-  compare(h, dev);
+  for (const bool pipelined : {false, true}) {
+    CAPTURE(pipelined);
+    dev.out.fill(0xff);
+    oc::sparse_decode_options o;
+    o.asynchronous = true;
+    o.pipelined = pipelined;
+    oc::sparse_decode k(o);
+    CHECK(k.splits_for(4, 1, l) > 1);
+    k.decode(dev.p);
+    k.check_device_status();
+    compare(h, dev);
+  }
 }
 
 TEST_CASE("cuda::sparse_decode: bad input raises before any launch") {
@@ -233,4 +291,178 @@ TEST_CASE("cuda::sparse_decode: bad input raises before any launch") {
   dev.refs.upload(h.refs);
   k.decode(dev.p);  // the status was cleared: a good table runs again
   compare(h, dev);
+}
+
+TEST_CASE("cuda::sparse_decode: the first call's status clear is done before its kernel runs") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  // A fresh kernel object clears its device status word; queued behind the legacy stream's work
+  // while the decode runs on a non-blocking stream, the clear would erase the bad entry the
+  // kernel reports.
+  std::mt19937 rng(8);
+  const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
+  problem h(l, 2, 1, false, rng);
+  h.refs[0].slot = h.slots + 3;  // outside the pool: the kernel skips it and reports it
+  device_problem dev(h);
+  cudaStream_t s = nullptr;
+  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (const bool pipelined : {false, true}) {  // both kernels report the bad entry
+    CAPTURE(pipelined);
+    oc::sparse_decode_options o;
+    o.stream = s;
+    o.asynchronous = true;
+    o.pipelined = pipelined;
+    oc::sparse_decode k(o);
+    oasiskv::testing::busy_legacy_stream(200'000'000);
+    k.decode(dev.p);
+    OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(error_code_of([&] { k.check_device_status(); }) == errc::invalid_slot);
+  }
+  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST_CASE("cuda::sparse_decode: q_len 16 with GQA group 8 (16 row chunks of 8 rows)") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(1608);
+  for (const auto dt : {oasiskv::dtype::bf16, oasiskv::dtype::f16}) {
+    for (const bool per_head : {false, true}) {
+      for (const std::uint32_t splits : {1u, 3u}) {
+        CAPTURE(oasiskv::to_string(dt));
+        CAPTURE(per_head);
+        CAPTURE(splits);
+        const oasiskv::kv_layout l{1, 16, 2, 128, 16, dt};
+        const problem h(l, 3, 16, per_head, rng);
+        device_problem dev(h);
+        for (const bool pipelined : {false, true}) {
+          CAPTURE(pipelined);
+          dev.out.fill(0xff);
+          oc::sparse_decode_options o;
+          o.num_splits = splits;
+          o.check_tables = true;
+          o.pipelined = pipelined;
+          oc::sparse_decode(o).decode(dev.p);
+          compare(h, dev);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda::sparse_decode: empty tables and null slots give the reference's rows") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(404);
+  for (const bool per_head : {false, true}) {
+    for (const std::uint32_t splits : {1u, 4u}) {
+      const bool pipelined = splits == 4;  // each path over empty and null entries
+      CAPTURE(per_head);
+      CAPTURE(splits);
+      CAPTURE(pipelined);
+      const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::bf16};
+      problem h(l, 4, 2, per_head, rng);
+      // Sequence 0: every table empty. Sequence 1: every entry a null slot (dropped blocks).
+      // Sequence 2: every other entry a null slot. Sequence 3 as drawn.
+      const std::uint32_t tps = h.tables_per_seq;
+      std::vector<block_ref> refs;
+      std::vector<std::uint32_t> offsets{0};
+      for (std::uint32_t t = 0; t < 4 * tps; ++t) {
+        const std::uint32_t s = t / tps;
+        for (std::uint32_t i = h.offsets[t]; i < h.offsets[t + 1]; ++i) {
+          block_ref r = h.refs[i];
+          if (s == 0) {
+            continue;
+          }
+          if (s == 1 || (s == 2 && i % 2 == 0)) {
+            r.slot = oasiskv::null_slot;
+          }
+          refs.push_back(r);
+        }
+        offsets.push_back(static_cast<std::uint32_t>(refs.size()));
+      }
+      h.refs = refs;
+      h.offsets = offsets;
+      device_problem dev(h);
+      oc::sparse_decode_options o;
+      o.num_splits = splits;
+      o.pipelined = pipelined;
+      oc::sparse_decode k(o);
+      k.decode(dev.p);  // synchronous: a skipped entry other than a null slot would throw
+      compare_with_empty(without_null_slots(h), dev);
+      // The same through decode_host_tables (host tables uploaded by the kernel).
+      dev.out.fill(0xff);
+      dev.lse.fill(0xff);
+      oasiskv::decode_params hp = dev.p;
+      hp.table.refs = h.refs.data();
+      hp.table.offsets = h.offsets.data();
+      hp.seq_lens = h.lens.data();
+      k.decode_host_tables(hp);
+      compare_with_empty(without_null_slots(h), dev);
+    }
+  }
+}
+
+namespace {
+
+// Llama-3-8B's attention shape over a 32k context, `seqs` sequences each selecting `budget`
+// blocks: 2 sinks, the 4 last blocks, the rest random; the values drawn cheaply (a hash).
+problem long_context(std::uint32_t seqs, std::uint32_t q_len, std::uint32_t budget,
+                     std::mt19937& rng) {
+  const oasiskv::kv_layout l{1, 32, 8, 128, 16, oasiskv::dtype::bf16};
+  problem h(l, 1, q_len, false, rng);  // shapes only: everything is redrawn below
+  h.num_seqs = seqs;
+  h.refs.clear();
+  h.offsets.assign(1, 0);
+  h.lens.clear();
+  const std::uint32_t blocks = 32768 / l.tokens_per_block;
+  h.slots = seqs * budget;
+  std::vector<std::uint32_t> perm(h.slots);
+  std::iota(perm.begin(), perm.end(), 0u);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (std::uint32_t s = 0; s < seqs; ++s) {
+    h.lens.push_back(32768 - s % 5);  // partial last blocks too
+    std::vector<std::uint32_t> mid(blocks - 6);
+    std::iota(mid.begin(), mid.end(), 2u);
+    std::shuffle(mid.begin(), mid.end(), rng);
+    std::vector<std::uint32_t> chosen{0, 1, blocks - 4, blocks - 3, blocks - 2, blocks - 1};
+    chosen.insert(chosen.end(), mid.begin(), mid.begin() + (budget - 6));
+    std::shuffle(chosen.begin(), chosen.end(), rng);
+    for (const std::uint32_t b : chosen) {
+      h.refs.push_back({perm[h.refs.size()], b});
+    }
+    h.offsets.push_back(static_cast<std::uint32_t>(h.refs.size()));
+  }
+  h.pool.assign(std::size_t{h.slots} * l.block_bytes(), std::byte{0});
+  auto* p = reinterpret_cast<oasiskv::bf16*>(h.pool.data());
+  const std::size_t n = h.pool.size() / sizeof(oasiskv::bf16);
+  std::uint64_t x = rng();
+  for (std::size_t i = 0; i < n; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    p[i] = oasiskv::bf16::from_float(static_cast<float>((x >> 40) & 0xffff) / 16384.0f - 2.0f);
+  }
+  h.q =
+      oasiskv::testing::random_floats(std::size_t{seqs} * q_len * l.num_q_heads * l.head_dim, rng);
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("cuda::sparse_decode: 32 sequences of a 32k context, budget 2048 (the benchmark's)") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(32768);
+  for (const std::uint32_t q_len : {1u, 4u}) {
+    CAPTURE(q_len);
+    const problem h = long_context(32, q_len, 128, rng);
+    device_problem dev(h);
+    for (const bool pipelined : {false, true}) {
+      CAPTURE(pipelined);
+      dev.out.fill(0xff);
+      oc::sparse_decode_options o;
+      o.asynchronous = true;  // as the benchmark runs it: automatic splits, no host wait
+      o.check_pointers = false;
+      o.expected_blocks = 128;
+      o.pipelined = pipelined;
+      oc::sparse_decode k(o);
+      k.decode(dev.p);
+      k.check_device_status();
+      compare(h, dev);
+    }
+  }
 }

@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <span>
 #include <string>
@@ -474,6 +475,88 @@ TEST_CASE("cuda::topk_selector selects what the CPU lookahead predictor selects"
   }
 }
 
+TEST_CASE(
+    "cuda::topk_selector: budget == sinks + recent writes the kept window, within its table") {
+  oasiskv::testing::require_cuda_device_or_skip();
+  std::mt19937 rng(45);
+  for (const bool per_head : {false, true}) {
+    for (const auto agg :
+         {oc::selection_aggregation::max, oc::selection_aggregation::softmax_mass}) {
+      CAPTURE(per_head);
+      CAPTURE(static_cast<int>(agg));
+      const oasiskv::kv_layout l{1, 8, 2, 64, 16, oasiskv::dtype::f16};
+      setup st(l, 5, 200, rng);
+      st.lens[1] = 3 * l.tokens_per_block;  // shorter than the budget: its whole length
+      const oasiskv::selection_params sp{5, 2, 3};
+      const auto q =
+          oasiskv::testing::random_floats(std::size_t{st.num_seqs} * l.num_q_heads * 64, rng);
+      oc::device_minmax_summary ds(l, st.capacity);
+      std::vector<std::uint32_t> all(st.capacity);
+      std::iota(all.begin(), all.end(), 0u);
+      ds.upload(st.summary, all);
+      oc::topk_selector::options o;
+      o.per_kv_head = per_head;
+      o.aggregation = agg;
+      oc::topk_selector sel(o);
+      const std::uint32_t tables = st.num_seqs * sel.tables_per_seq(l);
+      const std::size_t room = std::size_t{tables} * sp.budget_blocks;
+      constexpr std::size_t guard = 4096;  // entries past the tables: must stay untouched
+      device_buffer<float> dq(q);
+      device_buffer<std::uint32_t> dlens(st.lens), dids(st.ids);
+      device_buffer<oasiskv::slot_id> dstaged(st.ids);
+      device_buffer<block_ref> refs(room + guard);
+      device_buffer<std::uint32_t> offsets(tables + 1 + guard), misses(room + guard),
+          miss_counts(tables);
+      refs.fill(0xab);
+      offsets.fill(0xab);
+      misses.fill(0xab);
+      oc::topk_request r;
+      r.queries = dq.get();
+      r.seq_lens = dlens.get();
+      r.summary_ids = dids.get();
+      r.staged_slots = dstaged.get();
+      r.refs = refs.get();
+      r.offsets = offsets.get();
+      r.misses = misses.get();
+      r.miss_counts = miss_counts.get();
+      r.num_seqs = st.num_seqs;
+      r.max_blocks = st.max_blocks;
+      r.params = sp;
+      sel.select(ds, r);
+      sel.check_status();
+      const auto got_refs = refs.download();
+      const auto got_off = offsets.download();
+      CHECK(got_off[0] == 0);
+      std::size_t t = 0;
+      for (std::uint32_t s = 0; s < st.num_seqs; ++s) {
+        const std::uint32_t n = l.blocks_for(st.lens[s]);
+        const oasiskv::block_window w = oasiskv::kept_window(n, sp);
+        for (std::uint32_t h = 0; h < sel.tables_per_seq(l); ++h, ++t) {
+          CAPTURE(t);
+          const std::uint32_t size = got_off[t + 1] - got_off[t];
+          REQUIRE(size == std::min(n, sp.budget_blocks));
+          for (std::uint32_t i = 0; i < size; ++i) {
+            const std::uint32_t b = got_refs[got_off[t] + i].index;
+            CHECK((n <= sp.budget_blocks || w.keeps(b)));  // the window alone
+          }
+        }
+      }
+      const std::uint32_t used = got_off[tables];
+      CHECK(used <= room);
+      for (std::size_t i = used; i < got_refs.size(); ++i) {  // nothing written past the tables
+        REQUIRE(got_refs[i].slot == 0xababababu);
+      }
+      for (std::size_t i = tables + 1; i < got_off.size(); ++i) {
+        REQUIRE(got_off[i] == 0xababababu);
+      }
+      const auto got_misses = misses.download();
+      for (std::size_t i = room; i < got_misses.size(); ++i) {
+        REQUIRE(got_misses[i] == 0xababababu);
+      }
+    }
+  }
+}
+
 namespace {
 
 using qsetup = basic_setup<oasiskv::quantized_minmax_summary>;
@@ -585,7 +668,7 @@ TEST_CASE("cuda::topk_selector over int8 bounds: the host summary's scores and s
         device_buffer<float> dscores(std::size_t{st.num_seqs} * l.num_kv_heads * st.max_blocks);
         device_buffer<float> draw(std::size_t{st.num_seqs} * l.num_kv_heads * rows * st.max_blocks);
         device_buffer<std::uint32_t> dstatus(1);
-        OASISKV_CUDA_CHECK(cudaMemset(dstatus.get(), 0, sizeof(std::uint32_t)));
+        oasiskv::testing::fill_device(dstatus.get(), 0, sizeof(std::uint32_t));
         od::select_kernel_args a;
         a.layout = l;
         a.qcodes = ds.codes();
@@ -747,7 +830,7 @@ TEST_CASE("a decode step (GPU selection, then sparse decode) captured in a CUDA 
   for (int replay = 0; replay < 3; ++replay) {
     const auto q = oasiskv::testing::random_floats(dq.size(), rng);  // fresh queries each step
     dq.upload(q);
-    OASISKV_CUDA_CHECK(cudaMemset(out.get(), 0xff, out.size() * sizeof(float)));
+    oasiskv::testing::fill_device(out.get(), 0xff, out.size() * sizeof(float));
     OASISKV_CUDA_CHECK(cudaGraphLaunch(exec, s));
     OASISKV_CUDA_CHECK(cudaStreamSynchronize(s));
     // The CPU pipeline: the CPU predictor's tables, then the reference kernel.
@@ -835,9 +918,9 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
           captured.select(ds, req.r);
           OASISKV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
           OASISKV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-          OASISKV_CUDA_CHECK(cudaMemset(req.refs.get(), 0xff, req.refs.size() * sizeof(block_ref)));
-          OASISKV_CUDA_CHECK(
-              cudaMemset(req.offsets.get(), 0xff, req.offsets.size() * sizeof(std::uint32_t)));
+          oasiskv::testing::fill_device(req.refs.get(), 0xff, req.refs.size() * sizeof(block_ref));
+          oasiskv::testing::fill_device(req.offsets.get(), 0xff,
+                                        req.offsets.size() * sizeof(std::uint32_t));
           OASISKV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
           OASISKV_CUDA_CHECK(cudaStreamSynchronize(stream));
           CHECK(req.refs.download() == got.refs);
@@ -953,6 +1036,134 @@ TEST_CASE("topk_selector::validate judges the selection on the host" *
   std::tie(code, what) = error_of(l96, {8, 1, 2});
   CHECK(code == oasiskv::errc::unsupported);
   CHECK_MESSAGE(what.find("head_dim = 96") != std::string::npos, what);
+}
+
+namespace {
+
+// The top-k kernel's decisions composed on the host as the kernel composes them: the table's
+// plan (`plan_topk_table`), the 8-bit radix passes (per pass, the lanes' runs of eight buckets
+// from the top, the first run whose running count reaches the rest, walked by
+// `pick_radix_bucket`), then `topk_keeps` over the blocks in index order.
+std::vector<std::uint32_t> emulate_topk(const std::vector<std::uint32_t>& keys,
+                                        const oc::detail::topk_table& plan) {
+  std::uint32_t threshold = 0, take_equal = 0;
+  if (plan.take > 0) {
+    std::uint32_t remaining = plan.take, prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      std::uint32_t hist[256] = {};
+      for (std::uint32_t i = plan.sinks; i < plan.end; ++i) {
+        if ((keys[i] & mask) == prefix) {
+          ++hist[(keys[i] >> shift) & 255u];
+        }
+      }
+      std::uint32_t incl = 0;
+      oc::detail::radix_pick pick;
+      for (std::uint32_t lane = 0; lane < 32 && !pick.found; ++lane) {
+        std::uint32_t local = 0;
+        for (std::uint32_t j = 0; j < 8; ++j) {
+          local += hist[255 - 8 * lane - j];
+        }
+        incl += local;
+        if (incl >= remaining) {
+          pick = oc::detail::pick_radix_bucket(hist, 255 - 8 * lane, 8, incl - local, remaining);
+          REQUIRE(pick.found);
+        }
+      }
+      REQUIRE(pick.found);
+      remaining -= pick.above;
+      REQUIRE(remaining >= 1);
+      prefix |= pick.bucket << shift;
+      mask |= 255u << shift;
+    }
+    threshold = prefix;
+    take_equal = remaining;
+  }
+  std::vector<std::uint32_t> table;
+  std::uint32_t rank = 0;
+  for (std::uint32_t i = 0; i < keys.size(); ++i) {
+    if (oc::detail::topk_keeps(plan, i, keys[i], threshold, take_equal, rank)) {
+      table.push_back(i);
+    }
+  }
+  return table;
+}
+
+// The table by sorting: the kept window, and the best `budget - window` candidates by key, ties
+// to the lower index.
+std::vector<std::uint32_t> sorted_topk(const std::vector<std::uint32_t>& keys, std::uint32_t budget,
+                                       std::uint32_t sinks, std::uint32_t recent) {
+  const auto n = static_cast<std::uint32_t>(keys.size());
+  if (budget >= n) {
+    std::vector<std::uint32_t> all(n);
+    std::iota(all.begin(), all.end(), 0u);
+    return all;
+  }
+  const oasiskv::block_window w = oasiskv::kept_window(n, sinks, recent);
+  std::vector<std::uint32_t> cand(w.candidates());
+  std::iota(cand.begin(), cand.end(), w.sinks);
+  std::stable_sort(cand.begin(), cand.end(),
+                   [&](std::uint32_t a, std::uint32_t b) { return keys[a] > keys[b]; });
+  cand.resize(budget - w.kept());
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (w.keeps(i)) {
+      cand.push_back(i);
+    }
+  }
+  std::sort(cand.begin(), cand.end());
+  return cand;
+}
+
+}  // namespace
+
+TEST_CASE("topk_selector's table: budget == sinks + recent keeps the window alone" *
+          doctest::test_suite("host")) {
+  // 100 blocks, 3 sinks, 4 recent, budget 7: no candidate is taken (the kernel used to keep
+  // every one, writing 100 entries into a table of 7).
+  const oc::detail::topk_table t = oc::detail::plan_topk_table(100, 7, 3, 4);
+  CHECK(!t.take_all);
+  CHECK(t.count == 7);
+  CHECK(t.take == 0);
+  CHECK(t.sinks == 3);
+  CHECK(t.end == 96);
+  std::vector<std::uint32_t> keys(100, 0x80000000u);  // all equal: no threshold can split them
+  CHECK(emulate_topk(keys, t) == std::vector<std::uint32_t>{0, 1, 2, 96, 97, 98, 99});
+  // recent 0 keeps the last block all the same: budget 3 + 1.
+  const oc::detail::topk_table t0 = oc::detail::plan_topk_table(100, 4, 3, 0);
+  CHECK(t0.take == 0);
+  CHECK(emulate_topk(keys, t0) == std::vector<std::uint32_t>{0, 1, 2, 99});
+  // A sequence no longer than the budget: all of it.
+  const oc::detail::topk_table short_seq = oc::detail::plan_topk_table(6, 7, 3, 4);
+  CHECK(short_seq.take_all);
+  CHECK(short_seq.count == 6);
+  CHECK(emulate_topk(std::vector<std::uint32_t>(6, 1u), short_seq).size() == 6);
+}
+
+TEST_CASE("topk_selector's table: the radix select's threshold and table sizes" *
+          doctest::test_suite("host")) {
+  std::mt19937 rng(451);
+  for (int trial = 0; trial < 3000; ++trial) {
+    CAPTURE(trial);
+    std::uniform_int_distribution<std::uint32_t> nd(1, 600), small(0, 6);
+    const std::uint32_t n = nd(rng), sinks = small(rng), recent = small(rng);
+    const auto least = static_cast<std::uint32_t>(oasiskv::min_budget_blocks(sinks, recent));
+    std::uniform_int_distribution<std::uint32_t> bd(least, least + n);
+    const std::uint32_t budget = trial % 5 == 0 ? least : bd(rng);  // the equality often
+    // Keys with many ties (few distinct values) or spread over all 32 bits.
+    std::vector<std::uint32_t> keys(n);
+    std::uniform_int_distribution<std::uint32_t> few(0, 3), any;
+    for (std::uint32_t& k : keys) {
+      k = trial % 2 == 0 ? 0x80000000u + few(rng) * 0x01010101u : any(rng);
+    }
+    CAPTURE(n);
+    CAPTURE(budget);
+    CAPTURE(sinks);
+    CAPTURE(recent);
+    const oc::detail::topk_table t = oc::detail::plan_topk_table(n, budget, sinks, recent);
+    CHECK(t.count == std::min(n, budget));
+    const std::vector<std::uint32_t> got = emulate_topk(keys, t);
+    CHECK(got.size() == t.count);  // exactly the table's room: never more
+    CHECK(got == sorted_topk(keys, budget, sinks, recent));
+  }
 }
 
 // Per-token draft weights (`selection_aggregation::confidence_weighted`).

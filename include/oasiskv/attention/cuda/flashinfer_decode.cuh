@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "oasiskv/attention/cuda/detail/flashinfer_compat.cuh"  // before FlashInfer
+#include "oasiskv/attention/cuda/detail/flashinfer_plan.cuh"
 
 #include <flashinfer/attention/decode.cuh>
 #include <flashinfer/attention/default_decode_params.cuh>
@@ -102,9 +103,11 @@ __global__ void flashinfer_finish_kernel(const KV* o, float* out, float* lse,
 //! no positional encoding is applied. `null_slot` entries are skipped. The page lists
 //! (`indices`, `indptr`, `last_page_len`, and the request/tile indices of FlashInfer's split-KV
 //! plan) are built on the host and copied to the device once per call. Whether to split a
-//! request's pages over several CTAs is FlashInfer's own work estimate
-//! (`BatchDecodeWithPagedKVCacheWorkEstimationDispatched`, `DecodeSplitKVIndptr`: its DecodePlan
-//! without CUDA graphs); split partials are merged by its `VariableLengthMergeStates`. A small
+//! request's pages over several CTAs is FlashInfer's DecodePlan without CUDA graphs, restated on
+//! the host by `detail::plan_flashinfer_split` over the grid FlashInfer's own work estimate reports
+//! (`BatchDecodeWithPagedKVCacheWorkEstimationDispatched`); a split plan's partial outputs and
+//! log-sum-exps go to a workspace the kernel owns (`detail::split_workspace`, grown on demand)
+//! and are merged by FlashInfer's `VariableLengthMergeStates`. A small
 //! kernel then widens the output to f32 and turns FlashInfer's log2-based lse into the natural
 //! log (requests that see no token: out 0, lse -inf).
 //!
@@ -223,20 +226,31 @@ class flashinfer_decode {
     launch_all(p);
   }
 
+  //! @brief What the last uploaded page lists planned (for tests and benchmarks).
+  struct plan_info {
+    bool split = false;               //!< the requests' pages are split over several CTAs
+    std::uint32_t requests = 0;       //!< (sequence, query token) pairs
+    std::uint32_t tiles = 0;          //!< CTA columns per KV head (requests when unsplit)
+    std::size_t workspace_bytes = 0;  //!< what the split needs (0 unsplit)
+    std::size_t allocated_bytes = 0;  //!< the split workspace held by the kernel
+  };
+  //! @brief The plan of the last `decode`, `decode_host_tables` or `prepare` call.
+  plan_info last_plan() const {
+    std::lock_guard lock(state_->mutex);
+    const state& st = *state_;
+    plan_info i;
+    if (st.prepared) {
+      i.split = st.at.split;
+      i.requests = st.num_seqs * st.q_len;
+      i.tiles = st.at.tiles;
+      i.workspace_bytes = st.at.workspace.bytes;
+    }
+    i.allocated_bytes = st.tmp_bytes;
+    return i;
+  }
+
  private:
-  // Offsets (in int32) of the arrays inside the uploaded buffer.
-  struct lists {
-    std::size_t indices = 0, indptr = 0, last_page_len = 0, request = 0, tile = 0, o_indptr = 0,
-                chunk = 0, total = 0;
-    std::uint32_t tiles = 0;  // CTAs per KV head: requests, or their chunks when split
-    bool split = false;
-  };
-  // FlashInfer's split-KV decision (its DecodePlan without CUDA graphs).
-  struct split_plan {
-    bool split = false;
-    std::uint32_t chunk_pages = 0;
-    std::vector<std::int32_t> request, tile, o_indptr;
-  };
+  using lists = detail::flashinfer_list_layout;
 
   struct state {
     std::mutex mutex;
@@ -245,7 +259,7 @@ class flashinfer_decode {
     std::size_t device_bytes = 0;
     void* o = nullptr;  // FlashInfer's output, in the KV type
     std::size_t o_bytes = 0;
-    void* tmp = nullptr;  // split-KV partial outputs (as FlashInfer sizes them) and lse
+    void* tmp = nullptr;  // split-KV partial outputs and lse (detail::split_workspace)
     std::size_t tmp_bytes = 0;
     void* lse = nullptr;  // decode_host_tables' lse when the caller passes none
     std::size_t lse_bytes = 0;
@@ -420,28 +434,11 @@ class flashinfer_decode {
         indptr.push_back(static_cast<std::int32_t>(pages.size()));
       }
     }
-    split_plan sp = plan_split(l, indptr, static_cast<std::uint32_t>(requests));
-    if (!sp.split) {
-      sp.request.resize(requests);
-      std::iota(sp.request.begin(), sp.request.end(), 0);
-      sp.tile.assign(requests, 0);
-      sp.o_indptr.resize(requests + 1);
-      std::iota(sp.o_indptr.begin(), sp.o_indptr.end(), 0);
-    }
-    auto round4 = [](std::size_t n) {
-      return (n + 3) / 4 * 4;
-    };  // 16-byte aligned arrays
-    lists at;
-    at.tiles = static_cast<std::uint32_t>(sp.request.size());
-    at.split = sp.split;
-    at.indices = 0;
-    at.indptr = round4(pages.size());
-    at.last_page_len = at.indptr + round4(requests + 1);
-    at.request = at.last_page_len + round4(requests);
-    at.tile = at.request + round4(at.tiles);
-    at.o_indptr = at.tile + round4(at.tiles);
-    at.chunk = at.o_indptr + round4(requests + 1);
-    at.total = at.chunk + 4;
+    const detail::flashinfer_split_plan sp =
+        detail::plan_flashinfer_split(max_grid(l), l.num_kv_heads, indptr, l.tokens_per_block,
+                                      options_.split != flashinfer_split::never);
+    const lists at =
+        detail::make_list_layout(pages.size(), requests, sp, l.num_q_heads, l.head_dim);
     v.assign(at.total, 0);
     auto put = [&](const std::vector<std::int32_t>& from, std::size_t offset) {
       std::copy(from.begin(), from.end(), v.begin() + static_cast<std::ptrdiff_t>(offset));
@@ -457,13 +454,12 @@ class flashinfer_decode {
     return at;
   }
 
-  // Whether and how FlashInfer would split the requests' pages into chunks, from its own work
-  // estimate (occupancy of its kernel, pages per request).
-  split_plan plan_split(const kv_layout& l, std::vector<std::int32_t>& indptr,
-                        std::uint32_t requests) const {
-    split_plan sp;
+  // CTAs of FlashInfer's decode kernel resident at once on this device (its occupancy query,
+  // through its own work estimate), from which detail::plan_flashinfer_split decides.
+  std::uint32_t max_grid(const kv_layout& l) const {
     bool split = false;
     std::uint32_t grid = 0, chunk_pages = 0, new_batch = 0, gdy = 0;
+    std::int32_t indptr[2] = {0, 0};  // one empty request: only the grid is wanted
     auto estimate = [&](auto kv_type, auto head_dim) {
       using KV = decltype(kv_type);
       constexpr std::uint32_t D = decltype(head_dim)::value;
@@ -473,8 +469,8 @@ class flashinfer_decode {
       DISPATCH_GQA_GROUP_SIZE(l.group_size(), GROUP_SIZE, {
         e = flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<
             GROUP_SIZE, D, flashinfer::PosEncodingMode::kNone, variant, params_t>(
-            split, grid, chunk_pages, new_batch, gdy, requests, indptr.data(), l.num_q_heads,
-            l.tokens_per_block, /*enable_cuda_graph=*/false, options_.stream);
+            split, grid, chunk_pages, new_batch, gdy, 1, indptr, l.num_q_heads, l.tokens_per_block,
+            /*enable_cuda_graph=*/false, options_.stream);
       });
       detail::check(e, "cuda::flashinfer_decode: FlashInfer's work estimate",
                     errc::invalid_argument);
@@ -493,14 +489,7 @@ class flashinfer_decode {
     } catch (const std::exception& x) {
       oasiskv::detail::raise(errc::unsupported, "cuda::flashinfer_decode: FlashInfer: ", x.what());
     }
-    if (!split || options_.split == flashinfer_split::never) {
-      return sp;
-    }
-    sp.split = true;
-    sp.chunk_pages = std::max(chunk_pages, 1u);
-    std::tie(sp.request, sp.tile, sp.o_indptr) =
-        flashinfer::DecodeSplitKVIndptr(indptr.data(), requests, sp.chunk_pages);
-    return sp;
+    return grid;
   }
 
   void run(const decode_params& p) const {
@@ -558,6 +547,16 @@ class flashinfer_decode {
       detail::check(cudaMalloc(&st.o, o_bytes), "cuda::flashinfer_decode: output buffer",
                     errc::out_of_memory);
       st.o_bytes = o_bytes;
+    }
+    // A split plan sends the kernel's partial outputs and log-sum-exps to the workspace, which
+    // the merge reads; without it FlashInfer would run its unsplit kernel on the split grid.
+    if (st.tmp_bytes < at.workspace.bytes) {
+      (void)cudaFree(st.tmp);
+      st.tmp = nullptr;
+      st.tmp_bytes = 0;
+      detail::check(cudaMalloc(&st.tmp, at.workspace.bytes),
+                    "cuda::flashinfer_decode: split-KV workspace", errc::out_of_memory);
+      st.tmp_bytes = at.workspace.bytes;
     }
     detail::check(
         cudaMemcpyAsync(st.device, st.host.data(), bytes, cudaMemcpyHostToDevice, options_.stream),
@@ -622,13 +621,17 @@ class flashinfer_decode {
     fp.o_indptr = d + at.o_indptr;
     fp.kv_chunk_size_ptr = d + at.chunk;
     fp.partition_kv = at.split;  // set again by the dispatch from tmp_v
-    KV* tmp_v = nullptr;         // null: FlashInfer's unsplit path
+    KV* tmp_v = nullptr;         // null: FlashInfer's unsplit path (one tile per request)
     float* tmp_s = nullptr;
     if (at.split) {
+      if (state_->tmp == nullptr || state_->tmp_bytes < at.workspace.bytes) [[unlikely]] {
+        oasiskv::detail::raise(errc::invalid_argument,
+                               "cuda::flashinfer_decode: the split plan's workspace (",
+                               at.workspace.bytes, " bytes) was not allocated");
+      }
       tmp_v = static_cast<KV*>(state_->tmp);
-      tmp_s = reinterpret_cast<float*>(static_cast<std::byte*>(state_->tmp) +
-                                       std::size_t{at.tiles} * l.num_q_heads * l.head_dim *
-                                           sizeof(float));
+      tmp_s =
+          reinterpret_cast<float*>(static_cast<std::byte*>(state_->tmp) + at.workspace.lse_offset);
     }
     using variant = flashinfer::DefaultAttention<false, false, false, false>;
     cudaError_t e = cudaSuccess;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "oasiskv/attention/cuda/detail/decode_kernels.cuh"
@@ -40,11 +41,18 @@ struct sparse_decode_options {
   //! (synchronises: tests and debugging). Without it the kernel skips entries with a slot outside
   //! the pool or a block past the sequence's end and reports them (synchronous mode) afterwards.
   bool check_tables = false;
-  //! Splits of each table (0: chosen from the multiprocessor count).
+  //! Splits of each table (0: chosen from the multiprocessor count and the table size,
+  //! `detail::choose_decode_splits`).
   std::uint32_t num_splits = 0;
   std::uint32_t max_splits = 32;
-  //! Expected table size in blocks (0: unknown): caps the splits at one per 8 blocks.
+  //! Expected table size in blocks (0: unknown; `decode_host_tables` takes its tables' largest):
+  //! caps the splits at one per `detail::min_blocks_per_split` blocks.
   std::uint32_t expected_blocks = 0;
+  //! Read K and V through a double-buffered pipeline of asynchronous copies into shared memory
+  //! (`detail::decode_pipelined_kernel`: the next tile's loads in flight while one is computed)
+  //! instead of direct 16-byte loads into registers. Same results; which is faster has not been
+  //! measured yet (no GPU run so far), so it is not the default.
+  bool pipelined = false;
 };
 
 //! @brief Decode attention over staged blocks in device memory. Models `sparse_attention_kernel`.
@@ -72,24 +80,7 @@ class sparse_decode {
   void set_stream(cudaStream_t s) noexcept { options_.stream = s; }
 
   //! @brief See `sparse_attention_kernel`.
-  void decode(const decode_params& p) const {
-    validate_shape(p);
-    std::lock_guard lock(state_->mutex);
-    const int device = detail::current_device();
-    if (options_.check_pointers) {
-      check_pointers(p, device);
-    }
-    if (options_.check_tables) {
-      check_tables_on_host(p);
-    }
-    const bool capturing = detail::is_capturing(options_.stream);
-    const plan pl = make_plan(p.num_seqs, p.q_len, p.pool.layout, device);
-    ensure_workspace(pl, p.pool.layout.head_dim, capturing, device);
-    launch(p, pl);
-    if (!options_.asynchronous && !capturing) {
-      finish();
-    }
-  }
+  void decode(const decode_params& p) const { decode_expecting(p, options_.expected_blocks); }
 
   //! @brief `decode` for callers that build the tables on the host, as `tiered_kv_cache` does:
   //! `p.table.refs`, `p.table.offsets` and `p.seq_lens` are host memory; they are copied on the
@@ -124,7 +115,12 @@ class sparse_decode {
     if (d.lse == nullptr) {
       d.lse = static_cast<float*>(upload_->lse.ptr);
     }
-    decode(d);
+    // The tables are on the host: their largest size caps the splits (unless the option says).
+    std::uint32_t largest = 0;
+    for (std::size_t t = 0; t < tables; ++t) {
+      largest = std::max(largest, p.table.offsets[t + 1] - p.table.offsets[t]);
+    }
+    decode_expecting(d, options_.expected_blocks != 0 ? options_.expected_blocks : largest);
   }
 
   //! @brief Allocates what a decode of this shape needs, so that a later call can be captured
@@ -133,14 +129,16 @@ class sparse_decode {
     layout.validate();
     std::lock_guard lock(state_->mutex);
     const int device = detail::current_device();
-    ensure_workspace(make_plan(num_seqs, q_len, layout, device), layout.head_dim, false, device);
+    ensure_workspace(make_plan(num_seqs, q_len, layout, device, options_.expected_blocks),
+                     layout.head_dim, false, device);
   }
 
   //! @brief The splits a decode of this shape uses.
   std::uint32_t splits_for(std::uint32_t num_seqs, std::uint32_t q_len,
                            const kv_layout& layout) const {
     std::lock_guard lock(state_->mutex);
-    return make_plan(num_seqs, q_len, layout, detail::current_device()).splits;
+    return make_plan(num_seqs, q_len, layout, detail::current_device(), options_.expected_blocks)
+        .splits;
   }
 
   //! @brief Synchronises the stream and rethrows what the kernels found since the last check
@@ -153,6 +151,26 @@ class sparse_decode {
   }
 
  private:
+  // `decode` with the splits capped for tables of `expected` blocks.
+  void decode_expecting(const decode_params& p, std::uint32_t expected) const {
+    validate_shape(p);
+    std::lock_guard lock(state_->mutex);
+    const int device = detail::current_device();
+    if (options_.check_pointers) {
+      check_pointers(p, device);
+    }
+    if (options_.check_tables) {
+      check_tables_on_host(p);
+    }
+    const bool capturing = detail::is_capturing(options_.stream);
+    const plan pl = make_plan(p.num_seqs, p.q_len, p.pool.layout, device, expected);
+    ensure_workspace(pl, p.pool.layout.head_dim, capturing, device);
+    launch(p, pl);
+    if (!options_.asynchronous && !capturing) {
+      finish();
+    }
+  }
+
   struct state {
     std::mutex mutex;
     int device = -1;
@@ -306,8 +324,8 @@ class sparse_decode {
     oasiskv::validate(h);
   }
 
-  plan make_plan(std::uint32_t num_seqs, std::uint32_t q_len, const kv_layout& l,
-                 int device) const {
+  plan make_plan(std::uint32_t num_seqs, std::uint32_t q_len, const kv_layout& l, int device,
+                 std::uint32_t expected) const {
     if (state_->device < 0) {
       state_->device = device;
       state_->sms = detail::multiprocessor_count(device);
@@ -325,18 +343,8 @@ class sparse_decode {
                              " KV heads x ", pl.row_chunks, " row chunks exceed the grid");
     }
     const std::uint64_t ctas = std::uint64_t{num_seqs} * l.num_kv_heads * pl.row_chunks;
-    std::uint64_t splits = options_.num_splits;
-    if (splits == 0) {
-      // About four CTAs per multiprocessor in flight: enough loads outstanding to approach the
-      // memory bandwidth, few enough splits that the merge stays negligible.
-      const std::uint64_t target = 4ull * static_cast<std::uint64_t>(state_->sms);
-      splits = (target + ctas - 1) / ctas;
-      if (options_.expected_blocks != 0) {
-        splits = std::min<std::uint64_t>(splits, std::max(1u, options_.expected_blocks / 8));
-      }
-    }
-    pl.splits = static_cast<std::uint32_t>(
-        std::clamp<std::uint64_t>(splits, 1, std::max(1u, options_.max_splits)));
+    pl.splits = detail::choose_decode_splits(static_cast<std::uint32_t>(state_->sms), ctas,
+                                             expected, options_.num_splits, options_.max_splits);
     pl.out_rows = std::size_t{num_seqs} * q_len * l.num_q_heads;
     return pl;
   }
@@ -360,8 +368,12 @@ class sparse_decode {
       detail::check(cudaMalloc(&d, sizeof(std::uint32_t)), "cuda::sparse_decode: cudaMalloc",
                     errc::out_of_memory);
       st.status = static_cast<std::uint32_t*>(d);
-      detail::check(cudaMemset(st.status, 0, sizeof(std::uint32_t)),
-                    "cuda::sparse_decode: cudaMemset");
+      // Done before returning: a later call may launch on another stream, which would not
+      // wait for a clear left queued on this one (or on the legacy stream).
+      detail::check(cudaMemsetAsync(st.status, 0, sizeof(std::uint32_t), options_.stream),
+                    "cuda::sparse_decode: cudaMemsetAsync");
+      detail::check(cudaStreamSynchronize(options_.stream),
+                    "cuda::sparse_decode: clearing the status word");
       detail::check(cudaHostAlloc(&h, sizeof(std::uint32_t), cudaHostAllocDefault),
                     "cuda::sparse_decode: cudaHostAlloc", errc::out_of_memory);
       st.status_host = static_cast<std::uint32_t*>(h);
@@ -383,18 +395,26 @@ class sparse_decode {
                     std::uint32_t kv_heads) const {
     const dim3 grid(pl.splits, kv_heads * pl.row_chunks, num_seqs);
     cudaStream_t s = options_.stream;
+    auto run = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (options_.pipelined) {
+        detail::decode_pipelined_kernel<T, D, R><<<grid, 128, 0, s>>>(a);
+      } else {
+        detail::decode_split_kernel<T, D, R><<<grid, 128, 0, s>>>(a);
+      }
+    };
     switch (pl.rows_per_cta) {
       case 1:
-        detail::decode_split_kernel<T, D, 1><<<grid, 128, 0, s>>>(a);
+        run(std::integral_constant<int, 1>{});
         break;
       case 2:
-        detail::decode_split_kernel<T, D, 2><<<grid, 128, 0, s>>>(a);
+        run(std::integral_constant<int, 2>{});
         break;
       case 4:
-        detail::decode_split_kernel<T, D, 4><<<grid, 128, 0, s>>>(a);
+        run(std::integral_constant<int, 4>{});
         break;
       default:
-        detail::decode_split_kernel<T, D, 8><<<grid, 128, 0, s>>>(a);
+        run(std::integral_constant<int, 8>{});
         break;
     }
     detail::check(cudaGetLastError(), "cuda::sparse_decode: launch", errc::invalid_argument);

@@ -25,6 +25,7 @@
 #include "oasiskv/cuda/detail/runtime.cuh"
 #include "oasiskv/predictor/cuda/topk_selector.cuh"
 #include "oasiskv/summary/cuda/device_minmax_summary.cuh"
+#include "oasiskv/summary/cuda/device_quantized_minmax_summary.cuh"
 #include "oasiskv/transfer/cuda/gather_kernel.cuh"
 
 namespace oasiskv::cuda {
@@ -36,7 +37,10 @@ namespace oasiskv::cuda {
 //! decision the facade makes on the host (which blocks, which slots, which copies) is made here
 //! on the device. It composes, and owns only the glue between them (the pinned staging area and
 //! its device mirror, the residency kernel, the slot tags and the copy list):
-//! - a `device_summary` (`device_minmax_summary`, the caller's, kept current by the caller);
+//! - a `device_summary`, the caller's, kept current by the caller:
+//! `device_quantized_minmax_summary`
+//!   (int8 bounds, the one to prefer: the selection reads about 1/31 of the KV at 32k) or
+//!   `device_minmax_summary` (f16 bounds, 1/16);
 //! - a `device_selector` (`topk_selector`), which also judges the `selection_params`;
 //! - the gather of `transfer/cuda/` (`enqueue_gather`, the `copy_engine`'s kernel over a
 //!   device-written list);
@@ -46,7 +50,7 @@ namespace oasiskv::cuda {
 //!
 //! 1. the copies of this step's host inputs from a pinned staging area (`seq_lens`, and the
 //!    block maps `summary_ids` and `capacity_slots`, rows `0..num_seqs`) into device buffers;
-//! 2. `topk_selector::select` over a `device_minmax_summary` with the lookahead queries, writing
+//! 2. `topk_selector::select` over the summary with the lookahead queries, writing
 //!    the step's block table (shared by the KV heads) with each block's staging slot, or
 //!    `null_slot` where the block is not staged;
 //! 3. the residency kernel (`detail::residency_kernel`): each sequence owns `budget_blocks`
@@ -203,16 +207,31 @@ class device_decode_step {
   }
 
   //! @brief Allocates every buffer on the current device and checks the pools' memory kinds.
-  //! `summary` must outlive the object.
+  //! The selection reads the int8 bounds of `summary` (about 1/31 of the KV at 128-dimension
+  //! heads and 16-token blocks, against 1/16 for f16 bounds). `summary` must outlive the object.
+  device_decode_step(const device_quantized_minmax_summary& summary, const options& o)
+      : device_decode_step(nullptr, &summary, summary.layout(), o) {}
+  //! @brief As above, the selection reading the f16 min/max bounds of `summary`.
   device_decode_step(const device_minmax_summary& summary, const options& o)
-      : summary_(&summary),
+      : device_decode_step(&summary, nullptr, summary.layout(), o) {}
+  device_decode_step(const device_decode_step&) = delete;
+  device_decode_step& operator=(const device_decode_step&) = delete;
+  ~device_decode_step() { drop_graph(); }
+
+ private:
+  device_decode_step(const device_minmax_summary* minmax,
+                     const device_quantized_minmax_summary* quantized, const kv_layout& layout,
+                     const options& o)
+      : minmax_(minmax),
+        quantized_(quantized),
+        layout_(layout),
         options_(o),
         staging_layout_{o.max_seqs, o.max_blocks},
         selector_(selector_options(o)),
         decode_(decode_options(o)) {
-    validate(options_, summary.layout());
+    validate(options_, layout_);
     if (options_.scale == 0.0f) {
-      options_.scale = 1.0f / std::sqrt(static_cast<float>(summary.layout().head_dim));
+      options_.scale = 1.0f / std::sqrt(static_cast<float>(layout_.head_dim));
     }
     device_ = detail::current_device();
     detail::require_device_pointer(options_.fast.base, device_, "device_decode_step_options.fast");
@@ -221,8 +240,8 @@ class device_decode_step {
     require_readable(options_.capacity.base, "device_decode_step_options.capacity");
     require_readable(last_byte(options_.capacity),
                      "the last byte of device_decode_step_options.capacity");
-    buffers_.allocate(options_, staging_layout_, summary.layout());
-    const kv_layout& l = summary.layout();
+    buffers_.allocate(options_, staging_layout_, layout_);
+    const kv_layout& l = layout_;
     selector_.reserve(l, options_.max_seqs, options_.max_blocks, options_.max_lookahead);
     if (options_.decode_splits == 0) {
       sparse_decode_options probe = decode_.config();
@@ -234,9 +253,10 @@ class device_decode_step {
     decode_ = sparse_decode(d);
     decode_.reserve(options_.max_seqs, options_.max_q_len, l);
   }
-  device_decode_step(const device_decode_step&) = delete;
-  device_decode_step& operator=(const device_decode_step&) = delete;
-  ~device_decode_step() { drop_graph(); }
+
+ public:
+  //! @brief Whether the selection reads int8 bounds (a `device_quantized_minmax_summary`).
+  bool int8_bounds() const noexcept { return quantized_ != nullptr; }
 
   //! @brief The options in effect (`scale` and `decode_splits` resolved).
   const options& config() const noexcept { return options_; }
@@ -333,8 +353,8 @@ class device_decode_step {
                              "cuda::device_decode_step::replay: nothing was captured");
     }
     if (options_.check_staging) {
-      validate_staging(options_, summary_->layout().tokens_per_block, summary_->capacity(),
-                       buffers_.host, captured_.num_seqs, captured_.q_len);
+      validate_staging(options_, layout_.tokens_per_block, summary_capacity(), buffers_.host,
+                       captured_.num_seqs, captured_.q_len);
     }
     detail::check(cudaGraphLaunch(exec_, stream), "cuda::device_decode_step: cudaGraphLaunch");
     if (detail::capture_status(stream) == cudaStreamCaptureStatusNone) {
@@ -496,6 +516,13 @@ class device_decode_step {
                              "it must be pinned (cudaHostRegister, pinned_host_tier) or device "
                              "memory");
     }
+    if (info.kind == detail::pointer_kind::pinned_host && info.device_address != p) [[unlikely]] {
+      oasiskv::detail::raise(errc::invalid_argument, what, " = ", p,
+                             " is pinned host memory the device does not read at that address: "
+                             "the gather reads it through the host pointer, so it must be mapped "
+                             "(cudaHostRegisterMapped, as pinned_host_tier registers, or "
+                             "cudaHostAlloc)");
+    }
   }
 
   void check_seq(std::uint32_t s, const char* what) const {
@@ -510,8 +537,8 @@ class device_decode_step {
   void check_io(const io& x, bool staging) const {
     validate(options_, x);
     if (staging && options_.check_staging) {
-      validate_staging(options_, summary_->layout().tokens_per_block, summary_->capacity(),
-                       buffers_.host, x.num_seqs, x.q_len);
+      validate_staging(options_, layout_.tokens_per_block, summary_capacity(), buffers_.host,
+                       x.num_seqs, x.q_len);
     }
     if (options_.check_pointers) {
       detail::require_device_pointer(x.q, device_, "device_decode_step_io.q");
@@ -530,7 +557,7 @@ class device_decode_step {
   // `record`: mark the end of the staging copies with `staging_read` (not while capturing: an
   // event recorded in a capture cannot be waited on from the host).
   void enqueue_locked(const io& x, cudaStream_t stream, bool record) {
-    const kv_layout& l = summary_->layout();
+    const kv_layout& l = layout_;
     const device_step_staging_layout& sl = staging_layout_;
     const std::uint32_t budget = options_.selection.budget_blocks;
     const std::size_t rows = std::size_t{x.num_seqs} * options_.max_blocks * 4;
@@ -562,7 +589,11 @@ class device_decode_step {
     r.max_blocks = options_.max_blocks;
     r.params = options_.selection;
     selector_.set_stream(stream);
-    selector_.select(*summary_, r);
+    if (quantized_ != nullptr) {
+      selector_.select(*quantized_, r);
+    } else {
+      selector_.select(*minmax_, r);
+    }
 
     detail::residency_args a;
     a.refs = buffers_.refs;
@@ -616,7 +647,14 @@ class device_decode_step {
     }
   }
 
-  const device_minmax_summary* summary_;
+  // The summary's entries may grow (its capacity is read at each check).
+  std::uint32_t summary_capacity() const noexcept {
+    return quantized_ != nullptr ? quantized_->capacity() : minmax_->capacity();
+  }
+
+  const device_minmax_summary* minmax_ = nullptr;  // one of the two is set
+  const device_quantized_minmax_summary* quantized_ = nullptr;
+  kv_layout layout_{};
   options options_;
   device_step_staging_layout staging_layout_;
   topk_selector selector_;

@@ -78,6 +78,9 @@ enum class pointer_kind : std::uint8_t { unregistered_host, pinned_host, device,
 struct pointer_info {
   pointer_kind kind = pointer_kind::unregistered_host;
   int device = -1;  //!< the owning device (device, managed memory) or -1
+  //! The address a kernel reads it at (`cudaPointerAttributes::devicePointer`): for pinned host
+  //! memory, null unless it is mapped into the device's address space.
+  const void* device_address = nullptr;
 };
 
 //! @brief Asks the runtime what `p` is. Never throws for a plain host pointer.
@@ -91,11 +94,11 @@ inline pointer_info query_pointer(const void* p) {
   check(e, "cudaPointerGetAttributes", errc::invalid_argument);
   switch (a.type) {
     case cudaMemoryTypeDevice:
-      return {pointer_kind::device, a.device};
+      return {pointer_kind::device, a.device, a.devicePointer};
     case cudaMemoryTypeManaged:
-      return {pointer_kind::managed, a.device};
+      return {pointer_kind::managed, a.device, a.devicePointer};
     case cudaMemoryTypeHost:
-      return {pointer_kind::pinned_host, a.device};
+      return {pointer_kind::pinned_host, a.device, a.devicePointer};
     default:
       return {};
   }

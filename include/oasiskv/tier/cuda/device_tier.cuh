@@ -95,14 +95,17 @@ class device_tier {
                              slot_alignment, "-byte aligned");
     }
     try {
-      if (options_.zero) {
-        OASISKV_CUDA_TRY(cudaMemset(base_, 0, bytes_));
-      }
       stream_ = options_.stream;
       if (stream_ == nullptr) {
         detail::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                       "cuda::device_tier: cudaStreamCreateWithFlags", errc::unsupported);
         owns_stream_ = true;
+      }
+      if (options_.zero) {
+        // Finished before the constructor returns: the tier's writes go to a non-blocking
+        // stream, and the copy engine's to its own, neither of which waits for the legacy one.
+        OASISKV_CUDA_TRY(cudaMemsetAsync(base_, 0, bytes_, stream_));
+        OASISKV_CUDA_TRY(cudaStreamSynchronize(stream_));
       }
     } catch (...) {
       release();

@@ -31,13 +31,20 @@ struct pinned_host_tier_options {
   bool prefault = true;
 };
 
-//! @brief `host_tier` whose memory is registered with cudaHostRegister (portable, mapped under
-//! UVA), chunk by chunk through `host_tier`'s pin hook, and unregistered in reverse. Move-only.
+//! @brief `host_tier` whose memory is registered with cudaHostRegister (`register_flags`:
+//! portable to every device, and mapped into the device address space, which under UVA puts it at
+//! the host's own addresses: the gather kernels of `cuda::copy_engine` and
+//! `cuda::device_decode_step` read it through the host pointer), chunk by chunk through
+//! `host_tier`'s pin hook, and unregistered in reverse. Move-only.
 //! Models `host_accessible_tier` with `memory_kind::pinned_host`: the CPU reads and writes its
 //! slots (appends), and the device reads them through `cuda::copy_engine`.
 class pinned_host_tier {
  public:
   static constexpr memory_kind memory = memory_kind::pinned_host;
+  //! @brief The flags of every registration: `cudaHostRegisterPortable` (every device may copy
+  //! from it) and `cudaHostRegisterMapped` (kernels may read it; without it the device is not
+  //! required to map the memory, and a kernel reading it through the host pointer faults).
+  static constexpr unsigned register_flags = cudaHostRegisterPortable | cudaHostRegisterMapped;
 
   pinned_host_tier(const kv_layout& layout, std::uint32_t num_slots,
                    pinned_host_tier_options options = {})
@@ -69,7 +76,7 @@ class pinned_host_tier {
     h.prefault = o.prefault;
     h.pin_chunk_bytes = o.register_chunk_bytes;
     h.pin = [](void* p, std::size_t n) {
-      const cudaError_t e = cudaHostRegister(p, n, cudaHostRegisterPortable);
+      const cudaError_t e = cudaHostRegister(p, n, register_flags);
       if (e != cudaSuccess) [[unlikely]] {
         (void)cudaGetLastError();
         oasiskv::detail::raise(detail::code_of(e, errc::out_of_memory),

@@ -50,7 +50,8 @@ concept device_memory_tier = addressable_tier<T> &&(T::memory == memory_kind::de
 //!   UVA; the (source, destination) list is staged to device memory on the same stream. Best for
 //!   many small blocks, where a DMA descriptor per block costs more than the block;
 //!   `enqueue_gather` is the same kernel over device-written lists, capturable in a CUDA graph.
-//! - `cudaMemcpyBatchAsync` (CUDA 13 signature) over runs of consecutive slots, each run within
+//! - `cudaMemcpyBatchAsync` (CUDA 13's signature, or 12.8's; one `cudaMemcpyAsync` per run
+//!   before 12.8) over runs of consecutive slots, each run within
 //!   one pinned registration: the copy engines, best for large blocks. Not capturable: a capture
 //!   returns `cudaErrorStreamCaptureUnsupported` and would silently drop the copies, so that code
 //!   is an error here (`errc::unsupported`), never ignored.
@@ -159,8 +160,12 @@ class copy_engine {
     }
     const block_pool_view sv = src.view();
     const block_pool_view dv = dst.view();
+    // The gather kernel reads the source through its host addresses: registered and mapped
+    // there (pinned_host_tier registers with cudaHostRegisterMapped; another pinned source is
+    // asked), else the batch goes by DMA.
+    bool mapped = uva_host_pointers_;
     if constexpr (Src::memory != memory_kind::pinned_host) {
-      require_pinned(sv);
+      mapped = require_pinned(sv) && mapped;
     }
     std::uint32_t chunk_slots = src.num_slots();
     if constexpr (requires { src.slots_per_chunk(); }) {
@@ -170,7 +175,7 @@ class copy_engine {
     std::unique_lock lock(mutex_);
     retire_finished_locked();
     check_hazards_locked(&src, &dst, copies);
-    const copy_path path = choose(copies.size(), l.block_bytes());
+    const copy_path path = choose(copies.size(), l.block_bytes(), mapped);
     detail::device_guard guard(device_);
     batch b;
     b.src_tier = &src;
@@ -310,8 +315,10 @@ class copy_engine {
     }
   };
 
-  static void require_pinned(const block_pool_view& v) {
+  // Throws unless the pool is pinned; returns whether it is also mapped at its host addresses.
+  static bool require_pinned(const block_pool_view& v) {
     const std::byte* last = v.base + (std::size_t{v.num_slots} * v.slot_stride - 1);
+    bool mapped = true;
     for (const void* p : {static_cast<const void*>(v.base), static_cast<const void*>(last)}) {
       const detail::pointer_info info = detail::query_pointer(p);
       if (info.kind != detail::pointer_kind::pinned_host) [[unlikely]] {
@@ -321,20 +328,23 @@ class copy_engine {
             ": the device copies asynchronously only from pinned memory (use "
             "cuda::pinned_host_tier, or a host_tier whose pin hook calls cudaHostRegister)");
       }
+      mapped = mapped && info.device_address == p;
     }
+    return mapped;
   }
 
-  copy_path choose(std::size_t blocks, std::size_t block_bytes) const {
+  copy_path choose(std::size_t blocks, std::size_t block_bytes, bool mapped) const {
     if (options_.path == copy_path::gather_kernel) {
-      if (!uva_host_pointers_) [[unlikely]] {
+      if (!mapped) [[unlikely]] {
         oasiskv::detail::raise(errc::unsupported,
                                "cuda::copy_engine: the gather kernel needs registered host "
-                               "memory at the host's addresses, which device ",
-                               device_, " does not offer");
+                               "memory mapped at the host's addresses (cudaHostRegisterMapped), "
+                               "which device ",
+                               device_, " or the source tier does not offer");
       }
       return copy_path::gather_kernel;
     }
-    if (options_.path == copy_path::batch_memcpy || !uva_host_pointers_) {
+    if (options_.path == copy_path::batch_memcpy || !mapped) {
       return copy_path::batch_memcpy;
     }
     return block_bytes <= options_.kernel_max_block_bytes && blocks >= options_.kernel_min_blocks
@@ -432,6 +442,8 @@ class copy_engine {
       all_small = all_small && bytes <= (std::size_t{128} << 10);
       i = j;
     }
+    cudaError_t e = cudaErrorNotSupported;  // before CUDA 12.8: one cudaMemcpyAsync per run
+#if CUDART_VERSION >= 12080
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.srcLocHint.type = cudaMemLocationTypeHost;
@@ -441,8 +453,17 @@ class copy_engine {
     // Overlap with compute only pays when every copy is small (cuDF #23674).
     attr.flags = all_small ? cudaMemcpyFlagPreferOverlapWithCompute : cudaMemcpyFlagDefault;
     std::size_t attr_index = 0;
-    const cudaError_t e = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(),
-                                               sizes_.size(), &attr, &attr_index, 1, stream_);
+#if CUDART_VERSION >= 13000
+    e = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), sizes_.size(), &attr,
+                             &attr_index, 1, stream_);
+#else  // CUDA 12.8 and 12.9: non-const arrays and a failure index
+    std::size_t failed_at = 0;
+    e = cudaMemcpyBatchAsync(dsts_.data(), const_cast<void**>(srcs_.data()), sizes_.data(),
+                             sizes_.size(), &attr, &attr_index, 1, &failed_at, stream_);
+#endif
+#else
+    (void)all_small;
+#endif
     if (e == cudaErrorStreamCaptureUnsupported) [[unlikely]] {
       (void)cudaGetLastError();
       oasiskv::detail::raise(errc::unsupported,

@@ -415,6 +415,79 @@ OASISKV_DEVICE std::uint32_t order_key(float f) {
 
 inline constexpr int topk_threads = 256;
 
+//! @brief What one table of the top-k holds: `count = min(blocks, budget)` entries, the sinks
+//! `[0, sinks)` and the recent window `[end, blocks)` always, and the `take` best of the
+//! candidates `[sinks, end)`. `take` is 0 when the budget is exactly the kept window
+//! (`budget == sinks + recent`, which validation allows): then no candidate is kept, and none is
+//! even scored.
+struct topk_table {
+  std::uint32_t count = 0;  //!< entries of the table
+  std::uint32_t sinks = 0;  //!< candidates start here
+  std::uint32_t end = 0;    //!< candidates end here: the recent window's first block
+  std::uint32_t take = 0;   //!< candidates kept (0 when `take_all`)
+  bool take_all = false;    //!< the budget covers every block
+};
+
+//! @brief The table of a sequence of `blocks` blocks (the kernel's rule, on host and device).
+//! `budget` is at least the kept window (`min_budget_blocks`, checked on the host).
+OASISKV_HOST_DEVICE constexpr topk_table plan_topk_table(std::uint32_t blocks, std::uint32_t budget,
+                                                         std::uint32_t sink_blocks,
+                                                         std::uint32_t recent_blocks) {
+  const block_window w = kept_window(blocks, sink_blocks, recent_blocks);
+  topk_table t;
+  t.take_all = budget >= blocks;
+  t.count = t.take_all ? blocks : budget;
+  t.sinks = w.sinks;
+  t.end = w.recent_from;
+  t.take = t.take_all || budget <= w.kept() ? 0u : budget - w.kept();
+  return t;
+}
+
+//! @brief One pass of the radix select: the bucket where the count of `hist[bucket..top]` (the
+//! `runs` buckets from `top` down) reaches `remaining`, and the count above it, starting from
+//! `above` already counted above `top`. `found` is false when the run ends first.
+struct radix_pick {
+  std::uint32_t bucket = 0;
+  std::uint32_t above = 0;
+  bool found = false;
+};
+OASISKV_HOST_DEVICE radix_pick pick_radix_bucket(const std::uint32_t* hist, std::uint32_t top,
+                                                 std::uint32_t runs, std::uint32_t above,
+                                                 std::uint32_t remaining) {
+  radix_pick p;
+  for (std::uint32_t j = 0; j < runs; ++j) {
+    const std::uint32_t b = top - j;
+    if (above + hist[b] >= remaining) {
+      p.bucket = b;
+      p.above = above;
+      p.found = true;
+      return p;
+    }
+    above += hist[b];
+  }
+  p.above = above;
+  return p;
+}
+
+//! @brief Whether block `i` (order key `key`) enters table `t`, in index order: the kept window
+//! always; a candidate above the threshold; a candidate equal to it while its `rank` among the
+//! equal ones (counted up by the call) is below `take_equal` (ties to the lower index); no
+//! candidate when `t.take == 0`.
+OASISKV_HOST_DEVICE bool topk_keeps(const topk_table& t, std::uint32_t i, std::uint32_t key,
+                                    std::uint32_t threshold, std::uint32_t take_equal,
+                                    std::uint32_t& rank) {
+  if (t.take_all || i < t.sinks || i >= t.end) {
+    return true;
+  }
+  if (t.take == 0) {
+    return false;
+  }
+  if (key == threshold) {
+    return rank++ < take_equal;
+  }
+  return key > threshold;
+}
+
 //! One CTA per table: the sinks, the recent window and the top `budget - sinks - recent`
 //! candidates by score (ties to the lower index), found by an 8-bit radix select over
 //! shared-memory histograms, then compacted in index order with block scans and translated to
@@ -459,13 +532,15 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
     }
   }
 
-  const block_window window = kept_window(n, a.sp.sink_blocks, a.sp.recent_blocks);
-  const std::uint32_t sinks = window.sinks, recent = window.recent();
-  const std::uint32_t end = window.recent_from;  // candidates: [sinks, end)
-  const bool take_all = budget >= n;
+  const topk_table plan =
+      plan_topk_table(n, budget, a.sp.sink_blocks, a.sp.recent_blocks);  // plan.count == count
+  const std::uint32_t sinks = plan.sinks, end = plan.end;                // candidates: [sinks, end)
+  // Scored and ranked only when some candidate is taken: with budget == sinks + recent the
+  // table is the kept window alone.
+  const bool rank_candidates = plan.take > 0;
   std::uint32_t* keys = a.keys + std::size_t{t} * a.max_blocks;
   std::uint32_t threshold = 0, take_equal = 0;
-  if (!take_all) {
+  if (rank_candidates) {  // uniform over the CTA: its barriers are reached by every thread
     const std::uint32_t kv = a.layout.num_kv_heads;
     for (std::uint32_t i = sinks + threadIdx.x; i < end; i += topk_threads) {
       float s;
@@ -485,13 +560,14 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
       }
       keys[i] = order_key(s);
     }
-    std::uint32_t remaining = budget - sinks - recent;  // >= 0: checked on the host
+    __syncthreads();  // the keys are read by other threads below, whatever the passes do
+    std::uint32_t remaining = plan.take;  // >= 1, and at most the candidates
     std::uint32_t prefix = 0, mask = 0;
-    for (int shift = 24; shift >= 0 && remaining > 0; shift -= 8) {
+    for (int shift = 24; shift >= 0; shift -= 8) {
       for (std::uint32_t b = threadIdx.x; b < 256; b += topk_threads) {
         hist[b] = 0;
       }
-      __syncthreads();  // also publishes the keys written above
+      __syncthreads();
       for (std::uint32_t i = sinks + threadIdx.x; i < end; i += topk_threads) {
         const std::uint32_t k = keys[i];
         if ((k & mask) == prefix) {
@@ -501,7 +577,7 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
       __syncthreads();
       if (threadIdx.x < 32) {
         // Lane l sums buckets 255-8l down to 248-8l; an inclusive scan over lanes finds the
-        // bucket where the count from the top reaches `remaining`.
+        // run where the count from the top reaches `remaining`, which pick_radix_bucket walks.
         const unsigned lane = threadIdx.x;
         std::uint32_t local = 0;
         for (int j = 0; j < 8; ++j) {
@@ -515,20 +591,13 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
         const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
         const unsigned first = static_cast<unsigned>(__ffs(static_cast<int>(hit)) - 1);
         if (lane == first) {
-          std::uint32_t above = incl - local;
-          for (int j = 0; j < 8; ++j) {
-            const std::uint32_t b = 255 - 8 * lane - j;
-            if (above + hist[b] >= remaining) {
-              pick_bucket = b;
-              pick_above = above;
-              break;
-            }
-            above += hist[b];
-          }
+          const radix_pick pk = pick_radix_bucket(hist, 255 - 8 * lane, 8, incl - local, remaining);
+          pick_bucket = pk.bucket;
+          pick_above = pk.above;
         }
       }
       __syncthreads();
-      remaining -= pick_above;
+      remaining -= pick_above;  // stays >= 1: the bucket holds the rest
       prefix |= pick_bucket << shift;
       mask |= 255u << shift;
       __syncthreads();  // pick_* are rewritten next pass
@@ -543,7 +612,7 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
   const std::uint32_t c0 = threadIdx.x * chunk < n ? threadIdx.x * chunk : n;
   const std::uint32_t c1 = c0 + chunk < n ? c0 + chunk : n;
   std::uint32_t equal = 0;
-  if (!take_all) {
+  if (rank_candidates) {
     for (std::uint32_t i = c0; i < c1; ++i) {
       equal += (i >= sinks && i < end && keys[i] == threshold) ? 1u : 0u;
     }
@@ -552,14 +621,8 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
   scan(scan_storage).ExclusiveSum(equal, equal_before);
   __syncthreads();
   auto kept = [&](std::uint32_t i, std::uint32_t& rank) {
-    if (take_all || i < sinks || i >= end) {
-      return true;
-    }
-    const std::uint32_t k = keys[i];
-    if (k == threshold) {
-      return rank++ < take_equal;
-    }
-    return k > threshold;
+    const bool candidate = rank_candidates && i >= sinks && i < end;
+    return topk_keeps(plan, i, candidate ? keys[i] : 0u, threshold, take_equal, rank);
   };
   std::uint32_t keep = 0;
   {
