@@ -33,9 +33,9 @@ namespace oasiskv::cuda {
 //! fold keys with the host's rule and so give the same bits as `minmax_summary<f16>::update`
 //! for the same keys: f16 keys are stored as they are (a max/min of f16 values is exact); bf16
 //! and f32 keys are widened to float and rounded outward to f16 exactly as the host's
-//! `detail::round_up<f16>` / `round_down<f16>` do (nearest f16, then one ulp up for the maximum
-//! or down for the minimum if it landed on the wrong side), keys beyond the f16 range giving
-//! infinite bounds and NaN keys leaving the bounds unchanged. Tokens are folded in order, so
+//! `cpu::detail::round_up<f16>` / `round_down<f16>` do (nearest f16, then one ulp up for the
+//! maximum or down for the minimum if it landed on the wrong side), keys beyond the f16 range
+//! giving infinite bounds and NaN keys leaving the bounds unchanged. Tokens are folded in order, so
 //! even a signed-zero bound matches.
 //!
 //! The token counts are mirrored on the host (every change goes through the

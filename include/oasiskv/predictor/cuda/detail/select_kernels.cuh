@@ -50,7 +50,7 @@ OASISKV_HOST_DEVICE float row_weight(const float* weights, std::uint32_t num_tok
   return weight_ok(w) && w > 0.0f ? w : 0.0f;
 }
 
-//! A score clamped to finite values, as the host's `detail::clamp_finite_max` does before the
+//! A score clamped to finite values, as the host's `cpu::detail::clamp_finite_max` does before the
 //! softmax (NaN as `+inf`: it takes the row's mass).
 OASISKV_HOST_DEVICE float mass_clamp(float v) {
   return v <= FLT_MAX ? (v >= -FLT_MAX ? v : -FLT_MAX) : FLT_MAX;
@@ -343,10 +343,10 @@ struct max_op {
 
 //! One CTA per (KV head, sequence): for each query row of the head (lookahead tokens x GQA
 //! members), the softmax over the sequence's blocks of `scale * score`, the scores clamped to
-//! finite values first (`detail::clamp_finite_max`: an empty entry's `-inf` gets no mass unless
-//! every entry is empty, `+inf` takes the row's mass), summed over the rows into `scores`: with
-//! equal weights (the host's `softmax_mass_aggregation`, `add_scaled(acc, e, 1 / sum)`) or, when
-//! `weighted`, each row's mass times its lookahead token's weight (`confidence_weighted_
+//! finite values first (`cpu::detail::clamp_finite_max`: an empty entry's `-inf` gets no mass
+//! unless every entry is empty, `+inf` takes the row's mass), summed over the rows into `scores`:
+//! with equal weights (the host's `softmax_mass_aggregation`, `add_scaled(acc, e, 1 / sum)`) or,
+//! when `weighted`, each row's mass times its lookahead token's weight (`confidence_weighted_
 //! aggregation`, `add_scaled(acc, e, w / sum)`; `row_weight`). A row of weight 0 adds nothing
 //! and is skipped. A thread owns the same blocks in every pass, so only the reductions
 //! synchronise.

@@ -26,9 +26,9 @@ static_assert(std::is_trivially_copyable_v<minmax_fold_args>);
 
 inline constexpr int fold_threads = 128;
 
-// `detail::round_up<f16>` / `round_down<f16>` of summary/cpu/simd_math.hpp, on the device: the
-// nearest f16 (`f16::from_float`, round to nearest even), stepped one ulp outward when it landed
-// on the wrong side of `x`. Exact for f16 inputs; a bf16 or f32 key rounds outward.
+// `cpu::detail::round_up<f16>` / `round_down<f16>` of summary/cpu/minmax_layout.hpp, on the device:
+// the nearest f16 (`f16::from_float`, round to nearest even), stepped one ulp outward when it
+// landed on the wrong side of `x`. Exact for f16 inputs; a bf16 or f32 key rounds outward.
 OASISKV_HOST_DEVICE f16 f16_round_up(float x) {
   const f16 r = f16::from_float(x);
   if (!(r.to_float() < x)) {
