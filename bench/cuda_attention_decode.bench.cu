@@ -237,6 +237,7 @@ class device_clock {
   cudaEvent_t a_ = nullptr, b_ = nullptr;
 };
 
+#if defined(OASISKV_BENCH_FLASHINFER)  // only FlashInfer's rows time whole calls
 // Wall time of `f` (which synchronises), median of `reps` after `warmup`: for the calls that
 // copy tables from pageable host memory, which no gate can hold.
 double host_ms(cudaStream_t s, const std::function<void()>& f, int warmup = 3, int reps = 20) {
@@ -255,6 +256,7 @@ double host_ms(cudaStream_t s, const std::function<void()>& f, int warmup = 3, i
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
+#endif
 
 // Every row measured so far, and where the JSON goes.
 std::vector<ob::row> rows;
