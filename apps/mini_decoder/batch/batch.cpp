@@ -358,8 +358,9 @@ void batch_engine::prefill_chunk(sequence& s, std::uint32_t n) {
 }
 
 // The prefill part of a step: chunks of the sequences being admitted, in admission order, within
-// `budget` tokens (all of them without a step budget), in whole multiples of the attention's row
-// block but for a prompt's last chunk, and at least one such chunk a step.
+// `budget` tokens (all of them without a step budget): whole multiples of the attention's row
+// block where the budget allows, else what it allows, but at least `min_prefill_chunk` tokens a
+// step so that prefill goes on however many rows decode.
 void batch_engine::prefill_step(std::uint32_t budget) {
   const auto t0 = clock_type::now();
   const bool unbounded = o_.step_tokens == 0;
@@ -373,9 +374,11 @@ void batch_engine::prefill_step(std::uint32_t budget) {
     const std::uint32_t left = s.prompt - s.prefilled;
     std::uint32_t n = left;
     if (!unbounded && !whole && left > budget) {
-      n = budget / transformer::prefill_rows * transformer::prefill_rows;
-      if (n == 0 && first) {
-        n = std::min(left, transformer::prefill_rows);
+      n = budget >= transformer::prefill_rows
+              ? budget / transformer::prefill_rows * transformer::prefill_rows
+              : budget;
+      if (first) {
+        n = std::max(n, std::min(left, min_prefill_chunk));
       }
     }
     if (n == 0) {

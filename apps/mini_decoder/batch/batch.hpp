@@ -75,10 +75,11 @@ struct batch_options {
   std::uint32_t draft_layers = 6;  //!< self: the draft model's layers
   //! The tokens one engine step computes, shared by the decode rows (each decoding sequence's
   //! pending token and drafts: decode first, drafts trimmed to fit, one row per sequence at
-  //! least) and the prefill chunks of the sequences being admitted (what is left, in chunks of
-  //! `transformer::prefill_rows` tokens, at least one chunk a step; a step with nothing to decode
-  //! prefills its first prompt whole). 0: no budget, each prompt is prefilled whole in the step
-  //! that admits it (the decoding sequences wait for it).
+  //! least) and the prefill chunks of the sequences being admitted (what is left: multiples of
+  //! `transformer::prefill_rows` tokens where it holds one, and at least
+  //! `batch_engine::min_prefill_chunk` tokens a step; a step with nothing to decode prefills its
+  //! first prompt whole). 0: no budget, each prompt is prefilled whole in the step that admits
+  //! it (the decoding sequences wait for it).
   std::uint32_t step_tokens = 256;
 };
 
@@ -149,6 +150,8 @@ struct batch_report {
 class batch_engine {
  public:
   using request_id = std::uint64_t;
+  //! The least prefill a step with a prompt to prefill does, whatever its budget holds.
+  static constexpr std::uint32_t min_prefill_chunk = 16;
 
   //! Builds the shared cache: a fast tier of `o.fast_tier_bytes` (whole blocks) and a capacity
   //! tier large enough for every sequence the fast tier can admit at once (see `need`).

@@ -253,13 +253,23 @@ void transformer::prefill(const int* tokens, std::uint32_t n, std::uint32_t pos0
   phb2_.resize(n * hid);
   float* const k = pk_.data() + std::size_t{pos0} * kvd;  // this chunk's rows
   float* const v = pv_.data() + std::size_t{pos0} * kvd;
+  // A short later chunk takes the decode rows' products: expanding every weight matrix to f32
+  // for a few rows would cost more than the rows themselves.
+  const bool as_rows = pos0 > 0 && n < prefill_rows;
+  const auto product = [&](const weight_matrix& w, const float* x, float* y) {
+    if (as_rows) {
+      matmul_quantized(w, x, n, y);
+    } else {
+      matmul_prefill(w, x, n, y, wscratch_);
+    }
+  };
   embed(tokens, n, px_.data());
   for (std::uint32_t l = 0; l < c.num_layers; ++l) {
     const layer_weights& w = m_.layers[l];
     rmsnorm(pxb_.data(), px_.data(), w.attn_norm, n);
-    matmul_prefill(w.wq, pxb_.data(), n, pq_.data(), wscratch_);
-    matmul_prefill(w.wk, pxb_.data(), n, k, wscratch_);
-    matmul_prefill(w.wv, pxb_.data(), n, v, wscratch_);
+    product(w.wq, pxb_.data(), pq_.data());
+    product(w.wk, pxb_.data(), k);
+    product(w.wv, pxb_.data(), v);
     rope(pq_.data(), c.num_heads, n, pos0);
     rope(k, c.num_kv_heads, n, pos0);
     round_to_f16(k, n * kvd);
@@ -269,14 +279,14 @@ void transformer::prefill(const int* tokens, std::uint32_t n, std::uint32_t pos0
       past(l, pos0, pk_.data(), pv_.data());
     }
     attention_prefill(pq_.data(), pk_.data(), pv_.data(), n, pos0, patt_.data());
-    matmul_prefill(w.wo, patt_.data(), n, pxb_.data(), wscratch_);
+    product(w.wo, patt_.data(), pxb_.data());
     for (std::size_t i = 0; i < n * d; ++i)
       px_[i] += pxb_[i];
     rmsnorm(pxb_.data(), px_.data(), w.ffn_norm, n);
-    matmul_prefill(w.gate, pxb_.data(), n, phb_.data(), wscratch_);
-    matmul_prefill(w.up, pxb_.data(), n, phb2_.data(), wscratch_);
+    product(w.gate, pxb_.data(), phb_.data());
+    product(w.up, pxb_.data(), phb2_.data());
     swiglu(phb_.data(), phb2_.data(), n * hid);
-    matmul_prefill(w.down, phb_.data(), n, pxb_.data(), wscratch_);
+    product(w.down, phb_.data(), pxb_.data());
     for (std::size_t i = 0; i < n * d; ++i)
       px_[i] += pxb_[i];
   }

@@ -59,7 +59,10 @@ class transformer {
   //! attention's query rows are blocked at multiples of `prefill_rows` positions, so chunks that
   //! start at such multiples attend exactly as the whole prompt in one `prefill`; the products
   //! (sgemm over the chunk's rows) agree up to rounding, exactly where the BLAS computes a row
-  //! alike for any number of rows. `logits` gets the chunk's last token's [vocab].
+  //! alike for any number of rows. A later chunk (`pos0 > 0`) of fewer than `prefill_rows`
+  //! tokens takes the decode rows' products instead (`matmul_quantized`: int8 activations by
+  //! default), which cost per row what decoding does, where sgemm would first expand every
+  //! weight matrix to f32. `logits` gets the chunk's last token's [vocab].
   void prefill(const int* tokens, std::uint32_t n, std::uint32_t pos0, const kv_source_fn& past,
                const kv_sink_fn& sink, float* logits);
   //! The row block of the prefill's attention; chunk boundaries at its multiples attend as a
