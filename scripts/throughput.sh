@@ -171,6 +171,8 @@ try:
         pts = [r for r in d["by_decoding"] if r["seconds"] > 0]
         ax.plot([r["sequences"] for r in pts], [r["tokens_per_second"] for r in pts], "o-",
                 color=c, label=f"{name} (held at most {d['peak_active']})")
+    ax.set_xlim(0, max(dense["peak_active"], oasis["peak_active"]) + 1)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("requests decoding together")
     ax.set_ylabel("decode tokens/s")
     ax.set_title("decode throughput against requests held")
