@@ -19,6 +19,23 @@ std::string json(const latency_summary& s) {
                      s.p90, s.p99, s.max);
 }
 
+// The engine both runs build: everything but the fast tier's bytes.
+batch_options engine_options(const throughput_options& o) {
+  batch_options bo;
+  bo.mode = o.mode;
+  bo.summary = o.summary;
+  bo.budget_tokens = o.budget_tokens;
+  bo.max_batch = o.max_batch;
+  bo.attention_threads = o.attention_threads;
+  bo.draft = o.draft;
+  bo.draft_len = o.draft_len;
+  bo.draft_layers = o.draft_layers;
+  bo.step_tokens = o.step_tokens;
+  bo.context = o.context;
+  bo.rope_scale = o.rope_scale;
+  return bo;
+}
+
 }  // namespace
 
 std::vector<std::vector<int>> throughput_prompts(const model& m, const std::string& text,
@@ -86,18 +103,8 @@ throughput_result run_throughput(const model& m, const std::vector<std::vector<i
     const std::uint64_t layers = c.num_layers + (o.draft == draft_kind::self ? o.draft_layers : 0u);
     r.fast_tier_bytes = std::uint64_t{o.dense_sequences} * blocks * layers * block_bytes;
   }
-  bo.mode = o.mode;
-  bo.summary = o.summary;
+  bo = engine_options(o);
   bo.fast_tier_bytes = r.fast_tier_bytes;
-  bo.budget_tokens = o.budget_tokens;
-  bo.max_batch = o.max_batch;
-  bo.attention_threads = o.attention_threads;
-  bo.draft = o.draft;
-  bo.draft_len = o.draft_len;
-  bo.draft_layers = o.draft_layers;
-  bo.step_tokens = o.step_tokens;
-  bo.context = o.context;
-  bo.rope_scale = o.rope_scale;
   batch_engine engine(m, bo);
   r.sequence_fast_bytes = engine.need(longest, o.answer_tokens).fast_bytes;
   if (sized_here && o.mode == attention_mode::dense &&
@@ -188,17 +195,8 @@ stall_result run_stall_probe(const model& m, const std::vector<int>& stream_prom
   if (S == 0 || L == 0 || S + 1 >= ctx || L + 1 >= ctx) {
     fail("stall probe: prompts of ", S, " and ", L, " tokens in a context of ", ctx);
   }
-  batch_options bo;
-  bo.mode = o.mode;
-  bo.summary = o.summary;
-  bo.budget_tokens = o.budget_tokens;
-  bo.attention_threads = o.attention_threads;
-  bo.draft = o.draft;
-  bo.draft_len = o.draft_len;
-  bo.draft_layers = o.draft_layers;
-  bo.step_tokens = o.step_tokens;
+  batch_options bo = engine_options(o);
   bo.context = ctx;
-  bo.rope_scale = o.rope_scale;
   const std::uint32_t stream_max = ctx - S, long_max = 8;
   {
     bo.fast_tier_bytes = std::uint64_t{1} << 40;  // only to size the real budget below
