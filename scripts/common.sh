@@ -43,8 +43,7 @@ OASISKV_BASE_PACKAGES=(cmake ninja-build g++ git ca-certificates doctest-dev lib
 
 # oasiskv_release_mini_decoder: for the measuring scripts. Sets `model` and `bin` (SmolLM2 and
 # the release mini_decoder, built here when missing), fails naming scripts/fetch-models.sh when
-# the model is absent, and picks OpenBLAS's Haswell kernels on AVX2 machines (Debian's OpenBLAS
-# otherwise falls back to its slow generic ones on CPUs it does not know).
+# the model is absent. (mini_decoder picks OpenBLAS's kernels itself: apps/mini_decoder/ops/blas.hpp.)
 oasiskv_release_mini_decoder() {
   model=models/SmolLM2-135M-Instruct.Q4_1.gguf
   [ -e "$model" ] || { echo "error: $model is missing (run scripts/fetch-models.sh)" >&2; exit 1; }
@@ -52,8 +51,5 @@ oasiskv_release_mini_decoder() {
   if [ ! -x "$bin" ]; then
     cmake --preset release >/dev/null
     cmake --build --preset release --target mini_decoder
-  fi
-  if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
-    export OPENBLAS_CORETYPE=Haswell
   fi
 }

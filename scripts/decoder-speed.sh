@@ -13,9 +13,6 @@ model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 for f in "$bin" "$model"; do
   [ -e "$f" ] || { echo "error: $f is missing (run scripts/demo.sh first)" >&2; exit 1; }
 done
-if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
-  export OPENBLAS_CORETYPE=Haswell  # Debian's OpenBLAS otherwise picks its slow generic kernels
-fi
 doc=$(mktemp)
 all=$(mktemp)
 trap 'rm -f "$doc" "$all"' EXIT

@@ -8,31 +8,32 @@
 #include <cmath>
 
 #include <mini_decoder/io/error.hpp>
+#include <mini_decoder/model/transformer.hpp>
 
 namespace mini_decoder {
 
 namespace {
 
-latency_summary summarise(std::vector<double> v) {
-  latency_summary s;
-  if (v.empty()) {
-    return s;
-  }
-  std::sort(v.begin(), v.end());
-  auto at = [&](double q) {
-    const auto i = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size()))) - 1;
-    return v[std::min(i, v.size() - 1)];
-  };
-  s.p50 = at(0.50);
-  s.p90 = at(0.90);
-  s.p99 = at(0.99);
-  s.max = v.back();
-  return s;
-}
-
 std::string json(const latency_summary& s) {
   return fmt::format(R"({{"p50": {:.6f}, "p90": {:.6f}, "p99": {:.6f}, "max": {:.6f}}})", s.p50,
                      s.p90, s.p99, s.max);
+}
+
+// The engine both runs build: everything but the fast tier's bytes.
+batch_options engine_options(const throughput_options& o) {
+  batch_options bo;
+  bo.mode = o.mode;
+  bo.summary = o.summary;
+  bo.budget_tokens = o.budget_tokens;
+  bo.max_batch = o.max_batch;
+  bo.attention_threads = o.attention_threads;
+  bo.draft = o.draft;
+  bo.draft_len = o.draft_len;
+  bo.draft_layers = o.draft_layers;
+  bo.step_tokens = o.step_tokens;
+  bo.context = o.context;
+  bo.rope_scale = o.rope_scale;
+  return bo;
 }
 
 }  // namespace
@@ -95,17 +96,15 @@ throughput_result run_throughput(const model& m, const std::vector<std::vector<i
     if (o.dense_sequences == 0) {
       fail("throughput: a fast tier for 0 dense sequences");
     }
-    // The dense need of the longest request (every block of every layer), dense_sequences times.
+    // The dense need of the longest request (every block of every layer, and the self-draft
+    // model's blocks), dense_sequences times.
     const std::uint64_t blocks =
         (std::uint64_t{longest} + o.answer_tokens + bo.block_tokens - 1) / bo.block_tokens;
-    r.fast_tier_bytes = std::uint64_t{o.dense_sequences} * blocks * c.num_layers * block_bytes;
+    const std::uint64_t layers = c.num_layers + (o.draft == draft_kind::self ? o.draft_layers : 0u);
+    r.fast_tier_bytes = std::uint64_t{o.dense_sequences} * blocks * layers * block_bytes;
   }
-  bo.mode = o.mode;
-  bo.summary = o.summary;
+  bo = engine_options(o);
   bo.fast_tier_bytes = r.fast_tier_bytes;
-  bo.budget_tokens = o.budget_tokens;
-  bo.max_batch = o.max_batch;
-  bo.attention_threads = o.attention_threads;
   batch_engine engine(m, bo);
   r.sequence_fast_bytes = engine.need(longest, o.answer_tokens).fast_bytes;
   if (sized_here && o.mode == attention_mode::dense &&
@@ -134,33 +133,136 @@ throughput_result run_throughput(const model& m, const std::vector<std::vector<i
   r.decode_seconds = br.decode_seconds;
   r.prefill_seconds = br.prefill_seconds;
   r.decode_tokens_per_second = br.decode_tokens_per_second();
-  std::vector<double> first, between;
+  r.rounds = br.rounds;
+  r.drafted = br.drafted;
+  r.accepted = br.accepted;
+  r.verify_rows = br.verify_rows;
+  r.by_decoding = br.by_decoding;
+  std::vector<double> first, between, deliveries;
   std::uint64_t generated = 0;
   for (const auto id : ids) {
     const request_report& rr = engine.report(id);
     generated += rr.generated;
     first.push_back(rr.first_token_seconds);
     between.insert(between.end(), rr.token_seconds.begin(), rr.token_seconds.end());
+    deliveries.insert(deliveries.end(), rr.delivery_seconds.begin(), rr.delivery_seconds.end());
   }
   r.overall_tokens_per_second =
       r.wall_seconds > 0 ? static_cast<double>(generated) / r.wall_seconds : 0.0;
   r.first_token = summarise(std::move(first));
   r.token = summarise(std::move(between));
+  r.delivery = summarise(std::move(deliveries));
   return r;
 }
 
 std::string to_json(const throughput_result& r) {
   const throughput_options& o = r.options;
+  std::string by;
+  for (std::size_t n = 0; n < r.by_decoding.size(); ++n) {
+    const concurrency_row& c = r.by_decoding[n];
+    if (c.steps == 0) {
+      continue;
+    }
+    by += fmt::format(R"({}{{"sequences": {}, "steps": {}, "tokens": {}, "seconds": {:.6f}, )"
+                      R"("tokens_per_second": {:.4f}}})",
+                      by.empty() ? "" : ", ", n, c.steps, c.tokens, c.seconds,
+                      c.seconds > 0 ? static_cast<double>(c.tokens) / c.seconds : 0.0);
+  }
   return fmt::format(
       R"({{"mode": "{}", "requests": {}, "prompt_tokens": {}, "answer_tokens": {}, )"
-      R"("budget_tokens": {}, "fast_tier_bytes": {}, "sequence_fast_bytes": {}, )"
+      R"("budget_tokens": {}, "draft": "{}", "draft_len": {}, "step_tokens": {}, )"
+      R"("fast_tier_bytes": {}, "sequence_fast_bytes": {}, )"
       R"("peak_active": {}, "decode_tokens": {}, "decode_seconds": {:.6f}, )"
       R"("prefill_seconds": {:.6f}, "wall_seconds": {:.6f}, "decode_tokens_per_second": {:.4f}, )"
-      R"("overall_tokens_per_second": {:.4f}, "first_token_seconds": {}, "token_seconds": {}}})",
+      R"("overall_tokens_per_second": {:.4f}, "first_token_seconds": {}, "token_seconds": {}, )"
+      R"("delivery_seconds": {}, "rounds": {}, "drafted": {}, "accepted": {}, "verify_rows": {}, )"
+      R"("by_decoding": [{}]}})",
       to_string(o.mode), o.requests, o.prompt_tokens, o.answer_tokens, o.budget_tokens,
-      r.fast_tier_bytes, r.sequence_fast_bytes, r.peak_active, r.decode_tokens, r.decode_seconds,
-      r.prefill_seconds, r.wall_seconds, r.decode_tokens_per_second, r.overall_tokens_per_second,
-      json(r.first_token), json(r.token));
+      to_string(o.draft), o.draft_len, o.step_tokens, r.fast_tier_bytes, r.sequence_fast_bytes,
+      r.peak_active, r.decode_tokens, r.decode_seconds, r.prefill_seconds, r.wall_seconds,
+      r.decode_tokens_per_second, r.overall_tokens_per_second, json(r.first_token), json(r.token),
+      json(r.delivery), r.rounds, r.drafted, r.accepted, r.verify_rows, by);
+}
+
+stall_result run_stall_probe(const model& m, const std::vector<int>& stream_prompt,
+                             const std::vector<int>& long_prompt, const throughput_options& o) {
+  if (o.mode != attention_mode::dense && o.mode != attention_mode::oasis) {
+    fail("stall probe: --mode ", to_string(o.mode), " (the batched engine runs dense or oasis)");
+  }
+  const std::uint32_t ctx = o.context != 0 ? o.context : m.config.context_length;
+  const auto S = static_cast<std::uint32_t>(stream_prompt.size());
+  const auto L = static_cast<std::uint32_t>(long_prompt.size());
+  if (S == 0 || L == 0 || S + 1 >= ctx || L + 1 >= ctx) {
+    fail("stall probe: prompts of ", S, " and ", L, " tokens in a context of ", ctx);
+  }
+  batch_options bo = engine_options(o);
+  bo.context = ctx;
+  const std::uint32_t stream_max = ctx - S, long_max = 8;
+  {
+    bo.fast_tier_bytes = std::uint64_t{1} << 40;  // only to size the real budget below
+    const batch_engine probe(m, bo);
+    bo.fast_tier_bytes = probe.need(S, stream_max).fast_bytes + probe.need(L, long_max).fast_bytes;
+  }
+  batch_engine engine(m, bo);
+  stall_result r;
+  r.options = o;
+  r.options.prompt_tokens = L;
+  // The stream runs until the long prompt has its first token and 16 more deliveries came.
+  bool long_started = false;
+  std::uint32_t after = 0;
+  batch_request stream;
+  stream.prompt = stream_prompt;
+  stream.max_tokens = stream_max;
+  stream.ignore_eos = true;
+  stream.on_token = [&](int) {
+    return !long_started || ++after < 16 * transformer::max_step_tokens;
+  };
+  const auto sid = engine.submit(std::move(stream));
+  // Warm up: the stream decodes for a while first.
+  while (engine.report(sid).delivery_seconds.size() < 16 && !engine.done(sid)) {
+    engine.step();
+  }
+  batch_request big;
+  big.prompt = long_prompt;
+  big.max_tokens = long_max;
+  big.ignore_eos = true;
+  big.on_token = [&](int) {
+    long_started = true;
+    return true;
+  };
+  const std::size_t gaps_before = engine.report(sid).delivery_seconds.size();
+  const std::uint64_t chunks_before = engine.report().prefill_chunks;
+  const auto lid = engine.submit(std::move(big));
+  std::size_t gaps_at_start = 0;
+  while (!engine.done(lid) || !engine.done(sid)) {
+    engine.step();
+    if (long_started && gaps_at_start == 0) {
+      gaps_at_start = engine.report(sid).delivery_seconds.size();
+      r.prefill_chunks = engine.report().prefill_chunks - chunks_before;
+    }
+  }
+  const request_report& sr = engine.report(sid);
+  const std::vector<double>& gaps = sr.delivery_seconds;
+  r.median_gap = summarise(gaps).p50;
+  // The gaps from the long prompt's submit to the first delivery after its first token.
+  const std::size_t to = std::min(gaps.size(), gaps_at_start + 1);
+  for (std::size_t i = gaps_before; i < to; ++i) {
+    r.worst_gap = std::max(r.worst_gap, gaps[i]);
+  }
+  r.long_first_token = engine.report(lid).first_token_seconds;
+  r.stream_tokens = sr.generated;
+  return r;
+}
+
+std::string to_json(const stall_result& r) {
+  const throughput_options& o = r.options;
+  return fmt::format(
+      R"({{"mode": "{}", "draft": "{}", "step_tokens": {}, "long_prompt_tokens": {}, )"
+      R"("stream_tokens": {}, "median_gap_seconds": {:.6f}, "worst_gap_seconds": {:.6f}, )"
+      R"("worst_over_median": {:.4f}, "long_first_token_seconds": {:.6f}, "prefill_chunks": {}}})",
+      to_string(o.mode), to_string(o.draft), o.step_tokens, o.prompt_tokens, r.stream_tokens,
+      r.median_gap, r.worst_gap, r.median_gap > 0 ? r.worst_gap / r.median_gap : 0.0,
+      r.long_first_token, r.prefill_chunks);
 }
 
 }  // namespace mini_decoder

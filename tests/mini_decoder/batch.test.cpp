@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // The batched engine: its outputs equal the single-sequence decoder's token for token while
-// sequences join and leave at different steps (dense and oasis, stories260K and SmolLM2),
-// admission by fast-tier memory, and its errors.
+// sequences join and leave at different steps (dense and oasis, stories260K and SmolLM2), with
+// and without speculative decoding (greedy and seeded sampling), with prompts prefilled in
+// chunks between decode steps; admission by fast-tier memory, and its errors.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -35,9 +37,16 @@ struct job {
 struct setup {
   attention_mode mode = attention_mode::dense;
   std::uint32_t budget_tokens = 1024, block_tokens = 16, context = 0;
+  draft_kind draft = draft_kind::none;  // the batched engine's drafts (adaptive lengths)
+  std::uint32_t draft_len = 15, draft_layers = 2;
+  std::uint32_t step_tokens = 256;
+  float temperature = 0.0f;
 };
 
-std::vector<int> single(const model& m, const setup& s, const job& j) {
+// The single-sequence decoder's tokens for a job; `spec`: with the engine's drafts (the same
+// adaptive lengths), else plain decoding.
+std::vector<int> single(const model& m, const setup& s, const job& j, bool spec = false,
+                        std::uint64_t seed = 42) {
   decoder_options o;
   o.mode = s.mode;
   o.budget_tokens = s.budget_tokens;
@@ -45,6 +54,15 @@ std::vector<int> single(const model& m, const setup& s, const job& j) {
   o.context = s.context;
   o.max_tokens = j.max_tokens;
   o.ignore_eos = j.ignore_eos;
+  o.temperature = s.temperature;
+  o.top_p = 0.9f;
+  o.seed = seed;
+  if (spec) {
+    o.draft = s.draft;
+    o.draft_len = s.draft_len;
+    o.adaptive_draft = true;
+    o.draft_layers = s.draft_layers;
+  }
   decoder d(m, o);
   return d.generate(j.prompt);
 }
@@ -56,6 +74,10 @@ batch_options engine_options(const setup& s, std::uint64_t fast_bytes) {
   o.block_tokens = s.block_tokens;
   o.context = s.context;
   o.fast_tier_bytes = fast_bytes;
+  o.draft = s.draft;
+  o.draft_len = s.draft_len;
+  o.draft_layers = s.draft_layers;
+  o.step_tokens = s.step_tokens;
   return o;
 }
 
@@ -77,8 +99,9 @@ struct batch_run {
   std::vector<request_report> requests;
 };
 
-// Submits each job before step `submit_at` and steps until everything is done.
-batch_run run_batch(batch_engine& e, const std::vector<job>& jobs) {
+// Submits each job before step `submit_at` and steps until everything is done. Request i
+// samples with seed 100 + i (where the setup samples).
+batch_run run_batch(batch_engine& e, const std::vector<job>& jobs, float temperature = 0.0f) {
   batch_run r;
   r.streamed.resize(jobs.size());
   std::vector<batch_engine::request_id> ids(jobs.size());
@@ -90,6 +113,9 @@ batch_run run_batch(batch_engine& e, const std::vector<job>& jobs) {
         q.prompt = jobs[i].prompt;
         q.max_tokens = jobs[i].max_tokens;
         q.ignore_eos = jobs[i].ignore_eos;
+        q.temperature = temperature;
+        q.top_p = 0.9f;
+        q.seed = 100 + i;
         q.on_token = [&r, i](int t) {
           r.streamed[i].push_back(t);
           return true;
@@ -123,10 +149,10 @@ batch_run run_batch(batch_engine& e, const std::vector<job>& jobs) {
 }
 
 void check_equals_single(const model& m, const setup& s, const std::vector<job>& jobs,
-                         const batch_run& r) {
+                         const batch_run& r, bool spec = false) {
   REQUIRE(r.outputs.size() == jobs.size());
   for (std::size_t i = 0; i < jobs.size(); ++i) {
-    const std::vector<int> want = single(m, s, jobs[i]);
+    const std::vector<int> want = single(m, s, jobs[i], spec, 100 + i);
     INFO("request " << i << " (" << jobs[i].prompt.size() << " prompt tokens, max "
                     << jobs[i].max_tokens << ", mode " << to_string(s.mode) << ")");
     REQUIRE(!want.empty());
@@ -138,7 +164,18 @@ void check_equals_single(const model& m, const setup& s, const std::vector<job>&
     CHECK(q.token_seconds.size() + 1 == want.size());
     CHECK(q.first_token_seconds > 0.0);
     CHECK(q.first_token_seconds >= q.admitted_seconds);
+    CHECK(q.delivery_seconds.size() <= q.token_seconds.size());
+    CHECK(q.accepted <= q.drafted);
   }
+  // Every decode step is counted once, by the sequences it ran.
+  std::uint64_t steps = 0, tokens = 0;
+  for (const concurrency_row& c : r.report.by_decoding) {
+    steps += c.steps;
+    tokens += c.tokens;
+  }
+  CHECK(steps == r.report.steps);
+  CHECK(tokens == r.report.decode_tokens);
+  CHECK(r.report.verify_rows == r.report.rounds + r.report.drafted);
 }
 
 std::vector<job> stories_jobs(const model& m) {
@@ -398,4 +435,181 @@ TEST_CASE("batch: bad parameters give clear errors") {
   CHECK(error_of([&] { e.submit(r); }).find("--top-p") != std::string::npos);
   CHECK(e.waiting() == 0);
   CHECK(error_of([&] { (void)e.output(12345); }).find("no request 12345") != std::string::npos);
+}
+
+TEST_CASE("batch: speculative rounds (prompt lookup, self drafts) equal plain greedy decoding") {
+  const model& m = stories_model();
+  const std::vector<job> jobs = stories_jobs(m);
+  for (const draft_kind k : {draft_kind::ngram, draft_kind::self}) {
+    CAPTURE(std::string(to_string(k)));
+    setup s;
+    s.context = 256;
+    s.draft = k;
+    batch_engine e(m, engine_options(s, room_for_all(m, s, jobs)));
+    const batch_run r = run_batch(e, jobs);
+    check_equals_single(m, s, jobs, r);  // the decoder without drafts
+    CHECK(r.report.peak_active >= 4);
+    CHECK(r.report.drafted > 0);
+    CHECK(r.report.accepted > 0);
+    // Fewer steps than tokens: accepted drafts commit several tokens a step.
+    std::uint64_t longest = 0;
+    for (const auto& o : r.outputs) {
+      longest = std::max<std::uint64_t>(longest, o.size());
+    }
+    CHECK(r.report.steps < longest + 11);
+    CHECK(r.report.rounds < r.report.decode_tokens);
+  }
+}
+
+TEST_CASE("batch: speculative OasisKV equals the single-sequence decoder with the same drafts") {
+  const model& m = stories_model();
+  const std::vector<job> jobs = stories_jobs(m);
+  for (const draft_kind k : {draft_kind::ngram, draft_kind::self}) {
+    CAPTURE(std::string(to_string(k)));
+    setup s;
+    s.mode = attention_mode::oasis;
+    s.context = 256;
+    s.budget_tokens = 48;  // 3 of up to 6 blocks: sparse, so the lookahead queries matter
+    s.draft = k;
+    batch_engine e(m, engine_options(s, room_for_all(m, s, jobs)));
+    const batch_run r = run_batch(e, jobs);
+    check_equals_single(m, s, jobs, r, true);
+    const oasiskv::cache_stats& st = r.report.cache;
+    CHECK(st.lookaheads > 0);
+    CHECK(double(st.selected_blocks) / double(st.sequence_steps) <= 3.0 + 2.0);
+    CHECK(r.report.accepted > 0);
+  }
+}
+
+TEST_CASE("batch: seeded sampling with drafts equals a plain sampled run") {
+  const model& m = stories_model();
+  const std::vector<job> jobs = stories_jobs(m);
+  setup s;
+  s.context = 256;
+  s.temperature = 0.8f;
+  s.draft = draft_kind::ngram;
+  batch_engine e(m, engine_options(s, room_for_all(m, s, jobs)));
+  const batch_run r = run_batch(e, jobs, s.temperature);
+  check_equals_single(m, s, jobs, r);  // the decoder sampling without drafts, same seeds
+  CHECK(r.report.drafted > 0);
+  s.draft = draft_kind::none;
+  batch_engine plain(m, engine_options(s, room_for_all(m, s, jobs)));
+  CHECK(run_batch(plain, jobs, s.temperature).outputs == r.outputs);
+}
+
+TEST_CASE(
+    "batch: SmolLM2 speculative, dense and OasisKV, equals the decoder with the same drafts") {
+  const model* m = &test::smollm2();
+  const auto enc = [&](const char* text) {
+    return m->tok->encode(m->tok->chat_prompt(text), true);
+  };
+  const std::vector<job> jobs = {
+      {enc("Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown"), 16,
+       true, 0},
+      {enc("Name three colours."), 12, true, 1},
+  };
+  for (const attention_mode mode : {attention_mode::dense, attention_mode::oasis}) {
+    CAPTURE(to_string(mode));
+    setup s;
+    s.mode = mode;
+    s.context = 256;
+    s.block_tokens = 8;
+    s.budget_tokens = 24;
+    s.draft = mode == attention_mode::dense ? draft_kind::ngram : draft_kind::self;
+    s.draft_layers = 6;
+    batch_engine e(*m, engine_options(s, room_for_all(*m, s, jobs)));
+    const batch_run r = run_batch(e, jobs);
+    check_equals_single(*m, s, jobs, r, true);
+    CHECK(r.report.peak_active >= 2);
+    CHECK(r.report.drafted > 0);
+  }
+}
+
+// A long prompt arriving while another request decodes is prefilled in chunks of the step's
+// budget: the running request gets a token every step meanwhile, and both answers are the
+// decoder's.
+TEST_CASE("batch: a long prompt is prefilled in chunks between the running sequences' steps") {
+  const model& m = stories_model();
+  std::string text;
+  for (int i = 0; i < 10; ++i) {
+    text += "Lily and Ben went to the park. They played on the swings and saw a big dog. ";
+  }
+  const std::vector<int> long_prompt = m.tok->encode(text, true);
+  REQUIRE(long_prompt.size() > 4 * transformer::prefill_rows);
+  const std::vector<job> jobs = {{m.tok->encode("Once upon a time", true), 60, true, 0},
+                                 {long_prompt, 20, true, 3}};
+  for (const draft_kind k : {draft_kind::none, draft_kind::ngram}) {
+    CAPTURE(std::string(to_string(k)));
+    setup s;
+    s.context = 512;
+    s.draft = k;
+    s.step_tokens = 96;  // the decode rows first, then a 64-token chunk (or the prompt's last)
+    batch_engine e(m, engine_options(s, room_for_all(m, s, jobs)));
+    batch_request first;
+    first.prompt = jobs[0].prompt;
+    first.max_tokens = jobs[0].max_tokens;
+    first.ignore_eos = true;
+    std::size_t streamed = 0;
+    first.on_token = [&](int) {
+      ++streamed;
+      return true;
+    };
+    const auto id0 = e.submit(first);
+    for (int i = 0; i < 3; ++i) {
+      e.step();
+    }
+    batch_request second;
+    second.prompt = jobs[1].prompt;
+    second.max_tokens = jobs[1].max_tokens;
+    second.ignore_eos = true;
+    const auto id1 = e.submit(second);
+    std::uint64_t chunks = 0;
+    while (!e.done(id1)) {
+      const std::size_t before = streamed;
+      const std::uint64_t prefilled = e.report().prefill_tokens, rows = e.report().verify_rows;
+      const bool decoding = !e.done(id0);
+      e.step();
+      // The step's tokens: decode rows and prefill, within the budget.
+      CHECK(e.report().prefill_tokens - prefilled + e.report().verify_rows - rows <= s.step_tokens);
+      chunks += e.report().prefill_tokens > prefilled ? 1 : 0;
+      if (decoding) {
+        CHECK(streamed > before);  // the running request was not held up
+      }
+      REQUIRE(e.report().steps < 1000);
+    }
+    e.run();
+    CHECK(chunks >= long_prompt.size() / transformer::prefill_rows);
+    CHECK(e.report().prefill_chunks >= chunks);
+    CHECK(e.output(id0) == single(m, s, jobs[0]));
+    // The chunks' products may round differently from one whole prefill (transformer::prefill);
+    // on this tiny model they choose the same tokens.
+    CHECK(e.output(id1) == single(m, s, jobs[1]));
+    CHECK(e.report(id1).first_token_seconds > 0.0);
+    CHECK(e.audit() == 0);
+  }
+}
+
+TEST_CASE("batch: self drafts count the draft model's blocks in admission; too big is refused") {
+  const model& m = stories_model();
+  setup s;
+  s.context = 256;
+  s.draft = draft_kind::self;
+  batch_engine probe(m, engine_options(s, std::uint64_t{1} << 30));
+  const sequence_need nd = probe.need(16, 48);
+  CHECK(nd.draft_slots == 2 * 4);  // 2 draft layers of 64 tokens: 4 blocks each
+  s.draft = draft_kind::none;
+  batch_engine plain(m, engine_options(s, std::uint64_t{1} << 30));
+  CHECK(plain.need(16, 48).fast_slots + nd.draft_slots == nd.fast_slots);
+  s.draft = draft_kind::self;
+  const std::vector<job> jobs = {{m.tok->encode("Once upon a time", true), 40, true, 0},
+                                 {m.tok->encode("The cat", true), 30, true, 0}};
+  const std::uint64_t budget = room_for_all(m, s, jobs);
+  batch_engine e(m, engine_options(s, budget));
+  batch_request big;
+  big.prompt = m.tok->encode("Once upon a time", true);
+  big.max_tokens = 200;
+  CHECK(error_of([&] { e.submit(big); }).find("never") != std::string::npos);
+  const batch_run r = run_batch(e, jobs);
+  check_equals_single(m, s, jobs, r);
+  CHECK(r.report.peak_active == 2);
 }

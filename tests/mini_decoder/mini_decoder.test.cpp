@@ -236,6 +236,58 @@ TEST_CASE("greedy speculative decoding equals greedy decoding (dense, both draft
   }
 }
 
+TEST_CASE("draft_length: fixed, or adapted to the acceptance, down to 0 and probing again") {
+  draft_length fixed(4);
+  for (int i = 0; i < 5; ++i) {
+    CHECK(fixed.next() == 4);
+    fixed.update(4, 0);
+  }
+  draft_length good(15, true);
+  const std::uint32_t start = good.next();
+  CHECK(start >= 1);
+  CHECK(start < 15);
+  for (int i = 0; i < 12; ++i) {
+    const std::uint32_t g = good.next();
+    good.update(g, g);  // every draft accepted: the length grows to the cap
+  }
+  CHECK(good.next() == 15);
+  CHECK(good.acceptance() > 0.9f);
+  draft_length bad(15, true);
+  for (int i = 0; i < 12; ++i) {
+    const std::uint32_t g = bad.next();
+    bad.update(g, 0);  // every first draft rejected: down to 0
+  }
+  std::uint32_t drafted = 0;
+  for (std::uint32_t i = 0; i < 2 * draft_length::probe_rounds; ++i) {
+    drafted += bad.next();
+  }
+  CHECK(drafted == 2);  // a 1-token probe every probe_rounds rounds
+  bad.update(0, 0);     // nothing drafted: nothing learnt
+  CHECK(bad.acceptance() < draft_length::threshold);
+  CHECK(error_of([] { draft_length(16); }).find("16") != std::string::npos);
+}
+
+TEST_CASE("a kept prefill generates what a fresh one does, in every mode") {
+  const model& m = stories_model();
+  const auto prompt = m.tok->encode("Once upon a time", true);
+  decoder_options o;
+  o.max_tokens = 60;
+  o.draft = draft_kind::self;
+  o.draft_layers = 2;
+  o.adaptive_draft = true;
+  decoder first(m, o);
+  const prefilled_prompt p = first.prefill(prompt);
+  for (const attention_mode mode : {attention_mode::dense, attention_mode::oasis}) {
+    CAPTURE(to_string(mode));
+    decoder_options s = o;
+    s.mode = mode;
+    s.budget_tokens = 32;
+    decoder fresh(m, s), kept(m, s);
+    CHECK(kept.generate(p) == fresh.generate(prompt));
+    CHECK(kept.report().prefill_seconds == p.seconds);
+  }
+}
+
 TEST_CASE("ignore_eos generates past the end token, the same tokens up to it") {
   const model& m = stories_model();
   const auto prompt = m.tok->encode("Once upon a time", true);

@@ -548,3 +548,57 @@ TEST_CASE("server: SmolLM2 chat completions in its ChatML template equal the dec
   CHECK(j["usage"]["prompt_tokens"] == p_sys);
   s.stop();
 }
+
+// As `mini_decoder serve` runs it: speculative rounds (prompt lookup) and a step budget.
+TEST_CASE("server: the speculative engine answers as the decoder, with per-request timings") {
+  std::vector<std::string> want;
+  for (std::size_t i = 0; i < 3; ++i) {
+    want.push_back(reference(prompts[i], 60));
+  }
+  server_options o = options();
+  o.engine.draft = draft_kind::ngram;
+  o.engine.step_tokens = 64;
+  server s(stories(), o);
+  const int port = s.start();
+  std::vector<std::string> got(3);
+  std::vector<json> timings(3);
+  std::vector<std::thread> clients;
+  for (std::size_t i = 0; i < 3; ++i) {
+    clients.emplace_back([&, i] {
+      client c(port);
+      const auto r = c.post("/v1/completions", completion(prompts[i], 60));
+      if (r && r->status == 200) {
+        const json j = json::parse(r->body);
+        got[i] = text_of(j, false);
+        timings[i] = j["timings"];
+      }
+    });
+  }
+  for (auto& t : clients) {
+    t.join();
+  }
+  for (std::size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == want[i]);
+    const json& t = timings[i];
+    REQUIRE(t.is_object());
+    CHECK(t["first_token_seconds"].get<double>() > 0.0);
+    CHECK(t["first_token_seconds"].get<double>() >= t["queue_seconds"].get<double>());
+    CHECK(t["inter_token_seconds"]["p50"].get<double>() <=
+          t["inter_token_seconds"]["max"].get<double>());
+    CHECK(t["accepted"].get<std::uint32_t>() <= t["drafted"].get<std::uint32_t>());
+  }
+  // Streamed with usage: the timings come with it.
+  client c(port);
+  json body = completion(prompts[0], 60, true);
+  body["stream_options"] = {{"include_usage", true}};
+  const auto r = c.post("/v1/completions", body);
+  REQUIRE(r);
+  REQUIRE(r->status == 200);
+  const std::vector<std::string> ev = events_of(r->body);
+  REQUIRE(ev.size() >= 3);
+  const json u = json::parse(ev[ev.size() - 2]);
+  CHECK(u["usage"]["completion_tokens"].get<std::uint32_t>() > 0);
+  CHECK(u["timings"]["first_token_seconds"].get<double>() > 0.0);
+  s.stop();
+}

@@ -175,6 +175,95 @@ TEST_CASE("SmolLM2: with int8 activations the prefill logits stay within 2% of t
   CHECK_MESSAGE(near_best, "token " << chosen << " is not within 2% of the reference's best");
 }
 
+// A chunked prefill computes what a whole one does: the attention's row blocks are the same, and
+// the products differ at most in rounding (OpenBLAS's sgemm need not compute a row alike for
+// every number of rows: its SkylakeX kernels do, its Haswell ones do not). A rounding difference
+// that flips a K or V value's f16 rounding moves the next layers a little more: the bounds are
+// those of two correct f32 implementations (see the reference case above).
+TEST_CASE("SmolLM2: a prefill in chunks equals one whole prefill up to the products' rounding") {
+  const model* m = &test::smollm2();
+  const model_config& c = m->config;
+  std::string text;
+  for (int i = 0; i < 13; ++i) {
+    text +=
+        "The lighthouse keeper counted the ships that passed the rocks each night, and wrote "
+        "their names in a book. ";
+  }
+  const std::vector<int> prompt = m->tok->encode(text, true);
+  const auto P = static_cast<std::uint32_t>(prompt.size());
+  CAPTURE(P);
+  REQUIRE(P > 3 * transformer::prefill_rows);
+  const std::size_t kvd = std::size_t{c.num_kv_heads} * c.head_dim;
+  // The whole prompt: every layer's K,V and the last logits.
+  std::vector<std::vector<float>> k(c.num_layers), v(c.num_layers);
+  std::vector<float> whole(c.vocab_size), chunked(c.vocab_size);
+  transformer tf(*m);
+  tf.prefill(
+      prompt.data(), P,
+      [&](std::uint32_t l, const float* kl, const float* vl, std::uint32_t n) {
+        k[l].assign(kl, kl + n * kvd);
+        v[l].assign(vl, vl + n * kvd);
+      },
+      whole.data());
+  // The same in chunks of 128 and the rest (over 64), the second reading the first's K,V back.
+  std::vector<std::vector<float>> ck(c.num_layers), cv(c.num_layers);
+  const std::uint32_t bounds[] = {0, 2 * transformer::prefill_rows, P};
+  for (int i = 0; i < 2; ++i) {
+    const std::uint32_t from = bounds[i], n = bounds[i + 1] - from;
+    tf.prefill(
+        prompt.data() + from, n, from,
+        [&](std::uint32_t l, std::uint32_t past, float* kp, float* vp) {
+          REQUIRE(past == from);
+          std::copy(ck[l].begin(), ck[l].begin() + std::ptrdiff_t(past * kvd), kp);
+          std::copy(cv[l].begin(), cv[l].begin() + std::ptrdiff_t(past * kvd), vp);
+        },
+        [&](std::uint32_t l, const float* kl, const float* vl, std::uint32_t rows) {
+          ck[l].insert(ck[l].end(), kl, kl + rows * kvd);
+          cv[l].insert(cv[l].end(), vl, vl + rows * kvd);
+        },
+        chunked.data());
+  }
+  float scale = 0.0f, worst_kv = 0.0f, worst = 0.0f;
+  for (std::uint32_t l = 0; l < c.num_layers; ++l) {
+    REQUIRE(ck[l].size() == k[l].size());
+    REQUIRE(cv[l].size() == v[l].size());
+    for (std::size_t i = 0; i < k[l].size(); ++i) {
+      worst_kv = std::max({worst_kv, std::abs(ck[l][i] - k[l][i]) / (1.0f + std::abs(k[l][i])),
+                           std::abs(cv[l][i] - v[l][i]) / (1.0f + std::abs(v[l][i]))});
+    }
+  }
+  for (std::uint32_t i = 0; i < c.vocab_size; ++i) {
+    scale = std::max(scale, std::abs(whole[i]));
+    worst = std::max(worst, std::abs(chunked[i] - whole[i]));
+  }
+  MESSAGE("chunked prefill: worst K,V difference " << worst_kv << ", worst logit difference "
+                                                   << worst / scale << " of the scale");
+  CHECK(worst_kv <= 0.05f);
+  CHECK(worst <= 5e-3f * scale);
+  CHECK(argmax(chunked.data(), c.vocab_size) == argmax(whole.data(), c.vocab_size));
+  // A short later chunk takes the decode rows' products (int8 activations): within what int8
+  // activations move the logits (the case above: 2% of the scale for a whole prompt).
+  const std::uint32_t tail = 20;
+  for (std::uint32_t l = 0; l < c.num_layers; ++l) {
+    ck[l].resize((P - tail) * kvd);
+    cv[l].resize((P - tail) * kvd);
+  }
+  tf.prefill(
+      prompt.data() + (P - tail), tail, P - tail,
+      [&](std::uint32_t l, std::uint32_t past, float* kp, float* vp) {
+        std::copy(ck[l].begin(), ck[l].begin() + std::ptrdiff_t(past * kvd), kp);
+        std::copy(cv[l].begin(), cv[l].begin() + std::ptrdiff_t(past * kvd), vp);
+      },
+      [](std::uint32_t, const float*, const float*, std::uint32_t) {}, chunked.data());
+  worst = 0.0f;
+  for (std::uint32_t i = 0; i < c.vocab_size; ++i) {
+    worst = std::max(worst, std::abs(chunked[i] - whole[i]));
+  }
+  MESSAGE("a 20-token last chunk on int8 products: worst logit difference " << worst / scale
+                                                                            << " of the scale");
+  CHECK(worst <= 0.05f * scale);
+}
+
 TEST_CASE("SmolLM2: chat answer, and speculative == plain greedy through OasisKV") {
   const model* m = &test::smollm2();
   const auto prompt = m->tok->encode(m->tok->chat_prompt("What is the capital of France?"), true);

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The equal-memory throughput run (bench/throughput/throughput.cpp) on stories260K: the same
-// fast-tier bytes admit more OasisKV requests than dense ones, every request gets all its
-// tokens, and the report's counts add up.
+// fast-tier bytes admit more OasisKV requests than dense ones, both speculative, every request
+// gets all its tokens, and the report's counts add up; the stall probe's chunks.
 #include <doctest/doctest.h>
 
 #include <string>
@@ -76,6 +76,45 @@ TEST_CASE("throughput: equal fast-tier bytes hold more OasisKV requests than den
     CHECK(j.front() == '{');
     CHECK(j.back() == '}');
     CHECK(j.find("\"decode_tokens_per_second\"") != std::string::npos);
+    CHECK(j.find("\"by_decoding\": [{\"sequences\": 1") != std::string::npos);
+    // Speculative: prompt lookup drafts on the repeated text, and some are accepted.
+    CHECK(r->drafted > 0);
+    CHECK(r->accepted > 0);
+    CHECK(r->verify_rows == r->rounds + r->drafted);
+    std::uint64_t tokens = 0;
+    for (const concurrency_row& c : r->by_decoding) {
+      tokens += c.tokens;
+    }
+    CHECK(tokens == r->decode_tokens);
+    CHECK(r->by_decoding.size() == r->peak_active + 1);  // the largest batch decoded together
+  }
+}
+
+TEST_CASE("stall probe: a long prompt is admitted in chunks, or whole without a step budget") {
+  const model& m = stories();
+  const std::vector<int> stream = m.tok->encode("Once upon a time", true);
+  const std::vector<int> long_prompt = throughput_prompts(m, text(), 1, 300)[0];
+  throughput_options o;
+  o.mode = attention_mode::oasis;
+  o.budget_tokens = 64;
+  o.summary = summary_kind::qminmax;
+  o.context = 512;
+  for (const std::uint32_t step_tokens : {0u, 64u}) {
+    CAPTURE(step_tokens);
+    o.step_tokens = step_tokens;
+    const stall_result r = run_stall_probe(m, stream, long_prompt, o);
+    CHECK(r.stream_tokens > 16);
+    CHECK(r.median_gap > 0.0);
+    CHECK(r.worst_gap >= r.median_gap);
+    CHECK(r.long_first_token > 0.0);
+    if (step_tokens == 0) {
+      CHECK(r.prefill_chunks == 1);
+    } else {
+      CHECK(r.prefill_chunks >= 300u / 64u + 1u);  // the decode rows leave less than 64 a step
+    }
+    const std::string j = to_json(r);
+    CHECK(j.find("\"worst_over_median\"") != std::string::npos);
+    CHECK(j.find("\"long_prompt_tokens\": 300") != std::string::npos);
   }
 }
 

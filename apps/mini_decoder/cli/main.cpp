@@ -9,6 +9,7 @@
 
 #include <mini_decoder/decode/decoder.hpp>
 #include <mini_decoder/io/error.hpp>
+#include <mini_decoder/ops/blas.hpp>
 #include <mini_decoder/ops/matmul.hpp>
 #include <mini_decoder/ops/threads.hpp>
 #include <throughput/throughput.hpp>
@@ -26,7 +27,10 @@ struct cli_options {
   std::string summary = to_string(default_summary);
   // --throughput: the equal-memory throughput run instead of one generation.
   std::uint32_t throughput_requests = 0, throughput_prompt_tokens = 8064, dense_sequences = 4;
+  std::uint32_t step_tokens = 0;  // the batched engine's step budget (0: whole prefills)
+  bool stall_probe = false;       // --stall-probe instead of --throughput
   double fast_tier_mib = 0;
+  std::uint32_t time_tokens = 0;  // decode at least this many tokens for the speed figures
   decoder_options dec;
   bool chat = false, quiet = false;
   int threads = 1;
@@ -155,7 +159,9 @@ void print_table(const cli_options& cli, const generation_report& r, const gener
 
 // The equal-memory throughput run: `--throughput N` requests of `--throughput-prompt-tokens`
 // tokens cut from the prompt text, `--max-tokens` answer tokens each, one fast-tier budget
-// (`--fast-tier-mib`, or room for `--dense-sequences` dense sequences); the JSON on stdout.
+// (`--fast-tier-mib`, or room for `--dense-sequences` dense ones), drafts as `--draft`; the JSON
+// on stdout. `--stall-probe`: a stream decodes while a prompt of `--throughput-prompt-tokens`
+// tokens is admitted (with `--step-tokens`).
 int run_throughput_mode(const cli_options& cli, const model& m, const std::string& text) {
   throughput_options o;
   o.mode = cli.dec.mode;
@@ -167,17 +173,60 @@ int run_throughput_mode(const cli_options& cli, const model& m, const std::strin
   o.dense_sequences = cli.dense_sequences;
   o.budget_tokens = cli.dec.budget_tokens;
   o.attention_threads = cli.dec.attention_threads;
+  o.draft = cli.dec.draft;
+  o.draft_len = cli.dec.draft_len;
+  o.draft_layers = cli.dec.draft_layers;
+  o.step_tokens = cli.step_tokens;
+  o.context = cli.dec.context;
+  o.rope_scale = cli.dec.rope_scale;
+  if (cli.stall_probe) {
+    const auto stream = throughput_prompts(m, text, 1, 32).front();
+    const auto long_prompt = throughput_prompts(m, text, 1, o.prompt_tokens).front();
+    fmt::print(stderr,
+               "stall probe: a stream decodes while a {}-token prompt is admitted, {} mode, "
+               "step budget {} tokens, drafts {}, matmul path {}, OpenBLAS {}\n",
+               o.prompt_tokens, to_string(o.mode), o.step_tokens, to_string(o.draft), matmul_isa(),
+               blas_kernels());
+    const stall_result r = run_stall_probe(m, stream, long_prompt, o);
+    fmt::print(stderr,
+               "stall probe: the stream's worst gap {:.3f} s against its median {:.3f} s; the "
+               "prompt's first token after {:.1f} s ({} chunks)\n",
+               r.worst_gap, r.median_gap, r.long_first_token, r.prefill_chunks);
+    fmt::print("{}\n", to_json(r));
+    return 0;
+  }
   const auto prompts = throughput_prompts(m, text, o.requests, o.prompt_tokens);
-  fmt::print(stderr, "throughput: {} requests of {} + {} tokens, {} mode, matmul path {}\n",
-             o.requests, o.prompt_tokens, o.answer_tokens, to_string(o.mode), matmul_isa());
+  fmt::print(stderr,
+             "throughput: {} requests of {} + {} tokens, {} mode, drafts {} (up to {}), matmul "
+             "path {}, OpenBLAS {}\n",
+             o.requests, o.prompt_tokens, o.answer_tokens, to_string(o.mode), to_string(o.draft),
+             o.draft_len, matmul_isa(), blas_kernels());
   const throughput_result r = run_throughput(m, prompts, o);
   fmt::print(stderr,
              "throughput: {:.2f} decode tokens/s, {} requests held at most, fast tier {:.1f} MiB "
-             "({:.1f} MiB a request)\n",
+             "({:.1f} MiB a request), {:.2f} tokens a sequence-round\n",
              r.decode_tokens_per_second, r.peak_active, r.fast_tier_bytes / 1048576.0,
-             r.sequence_fast_bytes / 1048576.0);
+             r.sequence_fast_bytes / 1048576.0,
+             r.rounds ? static_cast<double>(r.decode_tokens) / static_cast<double>(r.rounds) : 0.0);
   fmt::print("{}\n", to_json(r));
   return 0;
+}
+
+// The answer a user reads: with --time-tokens, generation went on past the answer for timing;
+// the answer ends at the first end token and has at most --max-tokens tokens.
+std::vector<int> answer_part(const cli_options& cli, const model& m, const std::vector<int>& tokens,
+                             std::uint32_t max) {
+  if (cli.time_tokens == 0) {
+    return tokens;
+  }
+  std::vector<int> a;
+  for (int t : tokens) {
+    if (m.tok->is_end(t) || a.size() >= max) {
+      break;
+    }
+    a.push_back(t);
+  }
+  return a;
 }
 
 int run(cli_options& cli) {
@@ -194,15 +243,16 @@ int run(cli_options& cli) {
   }
   const std::string text = cli.prompt_file.empty() ? cli.prompt : read_file(cli.prompt_file);
   const auto m = load_model(cli.model, cli.tokenizer);
-  if (cli.throughput_requests > 0) {
+  if (cli.throughput_requests > 0 || cli.stall_probe) {
     return run_throughput_mode(cli, *m, text);
   }
   const model_config& c = m->config;
   fmt::print(stderr,
              "model: {} ({} layers, {} q / {} kv heads, head_dim {}, vocab {}, context {}, "
-             "rope theta {}), matmul path {}, {} threads\n",
+             "rope theta {}), matmul path {}, OpenBLAS {} kernels, {} threads\n",
              c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
-             c.context_length, c.rope_theta * cli.dec.rope_scale, matmul_isa(), cli.threads);
+             c.context_length, c.rope_theta * cli.dec.rope_scale, matmul_isa(), blas_kernels(),
+             cli.threads);
   const std::vector<int> prompt = m->tok->encode(cli.chat ? m->tok->chat_prompt(text) : text, true);
   if (!cli.quiet && !cli.chat) {
     for (std::size_t i = 0; i < prompt.size(); ++i) {
@@ -222,6 +272,13 @@ int run(cli_options& cli) {
     }
   };
   cli.dec.progress = progress;
+  // --time-tokens: generation goes on past the end token until that many tokens are timed; the
+  // answer shown and checked stops at the end token.
+  const std::uint32_t answer_max = cli.dec.max_tokens;
+  if (cli.time_tokens > 0) {
+    cli.dec.ignore_eos = true;
+    cli.dec.max_tokens = std::max(answer_max, cli.time_tokens);
+  }
   decoder dec(*m, cli.dec);
   const bool compare = cli.compare == "dense";
   const std::string name =
@@ -232,15 +289,26 @@ int run(cli_options& cli) {
   // progress lines on stderr never overwrite an answer on the same terminal line.
   const bool labelled = compare || !cli.expect_answer.empty();
   int prev = prompt.back();
-  const std::vector<int> tokens = dec.generate(prompt, [&](int t) {
-    if (!cli.quiet && !labelled) {
+  bool ended = false;  // --time-tokens: the answer's end token came
+  std::size_t count = 0;
+  const auto on_token = [&](int t) {
+    ++count;
+    ended = ended || m->tok->is_end(t) || count > answer_max;
+    if (!cli.quiet && !labelled && !ended) {
       std::fputs(m->tok->decode(prev, t).c_str(), stdout);
       std::fflush(stdout);
     }
     prev = t;
-    return true;
-  });
-  const std::string answer = text_of(*m, prompt.back(), tokens);
+    return cli.time_tokens == 0 || !ended || count < cli.time_tokens;
+  };
+  // A pair prefills once: the prefill is the same dense pass in every mode.
+  prefilled_prompt prefilled;
+  if (compare) {
+    prefilled = dec.prefill(prompt);
+  }
+  const std::vector<int> tokens =
+      compare ? dec.generate(prefilled, on_token) : dec.generate(prompt, on_token);
+  const std::string answer = text_of(*m, prompt.back(), answer_part(cli, *m, tokens, answer_max));
   auto print_answer = [&](const std::string& label, const std::string& said) {
     if (!cli.quiet) {
       std::printf("\n== answer (%s):\n%s\n", label.c_str(), said.c_str());
@@ -262,17 +330,22 @@ int run(cli_options& cli) {
     decoder_options d = cli.dec;
     d.mode = attention_mode::dense;
     decoder dense(*m, d);
-    dense_tokens = dense.generate(prompt);
+    prev = prompt.back();
+    ended = false;
+    count = 0;
+    dense_tokens = dense.generate(prefilled, on_token);
     dense_report = dense.report();
-    dense_found = print_answer("dense, the whole KV in fast memory",
-                               text_of(*m, prompt.back(), dense_tokens));
+    dense_found =
+        print_answer("dense, the whole KV in fast memory",
+                     text_of(*m, prompt.back(), answer_part(cli, *m, dense_tokens, answer_max)));
   }
   const generation_report r = dec.report();
   print_table(cli, r, compare ? &dense_report : nullptr, tokens, compare ? &dense_tokens : nullptr);
   if (compare) {
     // Memory against what dense attention needs at the final length (not the pool dense mode
     // allocates for the whole context), so the ratio never flatters OasisKV.
-    const agreement g = agreement_of(tokens, dense_tokens);
+    const agreement g = agreement_of(answer_part(cli, *m, tokens, answer_max),
+                                     answer_part(cli, *m, dense_tokens, answer_max));
     const double speed =
         r.decode_tokens_per_second() / std::max(1e-9, dense_report.decode_tokens_per_second());
     const std::uint64_t held_bytes = r.fast_tier_bytes + r.summary_bytes;
@@ -287,14 +360,20 @@ int run(cli_options& cli) {
     }
     std::fflush(stderr);
     // A short answer decodes in a fraction of a second, where a ratio of times says little: the
-    // verdict says so rather than let a noisy ratio stand for the speed.
+    // verdict says so rather than let a noisy ratio stand for the speed. Timed over 64 tokens or
+    // more (--time-tokens), it states both speeds.
     const double timed = std::min(r.decode_seconds, dense_report.decode_seconds);
+    const std::uint32_t timed_tokens = std::min(r.generated, dense_report.generated);
     const std::string timing =
-        timed < 1.0 ? fmt::format(
-                          " ({:.2f} s against {:.2f} s of decoding: too short to time; "
-                          "scripts/decoder-speed.sh measures speed)",
-                          r.decode_seconds, dense_report.decode_seconds)
-                    : std::string();
+        timed_tokens >= 64
+            ? fmt::format(" ({:.1f} against {:.1f} tokens/s, each timed over {} tokens)",
+                          r.decode_tokens_per_second(), dense_report.decode_tokens_per_second(),
+                          timed_tokens)
+        : timed < 1.0 ? fmt::format(
+                            " ({:.2f} s against {:.2f} s of decoding: too short to time; "
+                            "scripts/decoder-speed.sh measures speed)",
+                            r.decode_seconds, dense_report.decode_seconds)
+                      : std::string();
     const std::string held = memory >= 1.0
                                  ? fmt::format("{:.2f}x less", memory)
                                  : std::string("more: the budget covers the whole context");
@@ -317,6 +396,7 @@ int serve_main(int argc, char** argv);  // serve_main.cpp: `mini_decoder serve .
 }
 
 int main(int argc, char** argv) {
+  choose_blas_kernels(argv);  // may start the program again, with OpenBLAS's Haswell kernels
   if (argc > 1 && std::string(argv[1]) == "serve") {
     return serve_main(argc - 1, argv + 1);
   }
@@ -352,7 +432,8 @@ int main(int argc, char** argv) {
   app.add_option("--draft", cli.draft, "self|ngram|none")
       ->capture_default_str()
       ->check(CLI::IsMember({"self", "ngram", "none"}));
-  app.add_option("--draft-len", d.draft_len, "tokens drafted per round (1-15)")
+  app.add_option("--draft-len", d.draft_len,
+                 "tokens drafted per round (1-15); --throughput: the most (lengths adapt)")
       ->capture_default_str();
   app.add_option("--draft-layers", d.draft_layers, "layers of the self-speculative draft")
       ->capture_default_str();
@@ -393,6 +474,20 @@ int main(int argc, char** argv) {
                  "throughput: dense sequences the default fast tier holds")
       ->capture_default_str()
       ->check(CLI::Range(1u, 100000u));
+  app.add_option("--step-tokens", cli.step_tokens,
+                 "throughput, stall probe: tokens an engine step computes, decode rows and "
+                 "prefill chunks together (0: each prompt prefilled whole when admitted)")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 1u << 24));
+  app.add_flag("--stall-probe", cli.stall_probe,
+               "a stream decodes on the batched engine while a prompt of "
+               "--throughput-prompt-tokens tokens is admitted; prints its worst and median gaps "
+               "as JSON");
+  app.add_option("--time-tokens", cli.time_tokens,
+                 "decode at least this many tokens for the speed figures, past the end token "
+                 "(the answer shown still ends there)")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 1u << 24));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

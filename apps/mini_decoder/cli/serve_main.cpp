@@ -9,6 +9,7 @@
 #include <exception>
 #include <string>
 
+#include <mini_decoder/decode/draft.hpp>
 #include <mini_decoder/io/error.hpp>
 #include <mini_decoder/kv/kv_backend.hpp>
 #include <mini_decoder/ops/matmul.hpp>
@@ -27,7 +28,7 @@ int serve_main(int argc, char** argv) {
       "/v1/chat/completions, /v1/models, /health) on the batched engine",
       "mini_decoder serve"};
   server_options o;
-  std::string model_path, tokenizer_path, mode = "dense", matmul = "int8";
+  std::string model_path, tokenizer_path, mode = "dense", matmul = "int8", draft = "ngram";
   std::string summary = to_string(default_summary);
   double fast_tier_mib = 256;
   int threads = 1;
@@ -63,6 +64,22 @@ int serve_main(int argc, char** argv) {
       ->check(CLI::Range(1u, 4096u));
   app.add_option("--context", o.engine.context, "context length (0: the model's)")
       ->capture_default_str();
+  app.add_option("--draft", draft,
+                 "each sequence's drafts: ngram (prompt lookup), self (the first --draft-layers "
+                 "layers) or none")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ngram", "self", "none"}));
+  app.add_option("--draft-len", o.engine.draft_len,
+                 "the most tokens a sequence drafts a round (its length adapts to its acceptance)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 15u));
+  app.add_option("--draft-layers", o.engine.draft_layers, "self drafts: the draft model's layers")
+      ->capture_default_str();
+  app.add_option("--step-tokens", o.engine.step_tokens,
+                 "tokens an engine step computes, decode rows and prefill chunks together (0: "
+                 "each prompt prefilled whole when admitted, holding the running streams)")
+      ->capture_default_str()
+      ->check(CLI::Range(0u, 1u << 24));
   app.add_option("--threads", threads, "threads for matrix products")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
@@ -92,6 +109,7 @@ int serve_main(int argc, char** argv) {
     set_matmul_activations(matmul_activations_from_string(matmul));
     o.engine.mode = parse_mode(mode);
     o.engine.summary = parse_summary(summary);
+    o.engine.draft = parse_draft(draft);
     o.engine.fast_tier_bytes = static_cast<std::uint64_t>(fast_tier_mib * 1048576.0);
     const auto m = load_model(model_path, tokenizer_path);
     // SIGINT and SIGTERM wait for sigwait below: blocked here, before any thread starts, so
@@ -106,8 +124,9 @@ int serve_main(int argc, char** argv) {
     const int port = s.start();
     fmt::print(stderr,
                "mini_decoder serve: listening on http://{}:{} (model {}, {} mode, fast tier "
-               "{:.1f} MiB, max batch {})\n",
-               o.host, port, s.model_id(), mode, fast_tier_mib, o.engine.max_batch);
+               "{:.1f} MiB, max batch {}, drafts {}, step budget {} tokens)\n",
+               o.host, port, s.model_id(), mode, fast_tier_mib, o.engine.max_batch, draft,
+               o.engine.step_tokens);
     std::fflush(stderr);
     int sig = 0;
     sigwait(&stop_signals, &sig);

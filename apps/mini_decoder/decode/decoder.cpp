@@ -3,8 +3,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <limits>
 
 #include <mini_decoder/io/error.hpp>
 
@@ -16,14 +14,12 @@ using clock_type = std::chrono::steady_clock;
 double since(clock_type::time_point t) {
   return std::chrono::duration<double>(clock_type::now() - t).count();
 }
-constexpr std::uint32_t tail_tokens = transformer::max_step_tokens;
 }  // namespace
 
 decoder::decoder(const model& m, decoder_options o)
     : m_(m), o_(std::move(o)), tf_(m, o_.rope_scale) {
   const model_config& c = m.config;
   kv_dim_ = c.num_kv_heads * c.head_dim;
-  scale_ = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   if (o_.draft_len == 0 || o_.draft_len >= transformer::max_step_tokens) {
     fail("--draft-len = ", o_.draft_len, " must be in [1, ", transformer::max_step_tokens - 1,
          "] (a verification is at most 16 tokens)");
@@ -36,71 +32,18 @@ decoder::decoder(const model& m, decoder_options o)
   }
 }
 
+decoder::~decoder() = default;
+
 void decoder::append_f16(kv_backend& c, std::uint32_t l, const float* k, const float* v,
                          std::uint32_t n) {
   to_f16_bits(k, v, std::size_t{n} * kv_dim_, k16_, v16_);
   c.append(l, k16_.data(), v16_.data(), n);
 }
 
-void decoder::push_tail(std::uint32_t l, const float* k, const float* v, std::uint32_t n) {
-  layer_tail& t = tails_[l];
-  t.k.insert(t.k.end(), k, k + std::size_t{n} * kv_dim_);
-  t.v.insert(t.v.end(), v, v + std::size_t{n} * kv_dim_);
-  const std::size_t keep = std::size_t{tail_tokens} * kv_dim_;
-  if (t.k.size() > keep) {
-    t.k.erase(t.k.begin(), t.k.end() - static_cast<std::ptrdiff_t>(keep));
-    t.v.erase(t.v.begin(), t.v.end() - static_cast<std::ptrdiff_t>(keep));
-  }
-}
-
-// Folds side tokens into attention the cache computed: query j also attends side entries
-// [j + first_shift, j + first_shift + count) (count = 0: all of them), merged through the
-// cache's log-sum-exp, so the result is exact attention over the union.
-void decoder::merge_side(const float* q, std::uint32_t n, const float* sk, const float* sv,
-                         std::uint32_t first_shift, std::uint32_t count, float* out,
-                         const float* lse) {
-  const model_config& c = m_.config;
-  const std::uint32_t hd = c.head_dim, group = c.num_heads / c.num_kv_heads;
-  std::vector<float> s(tail_tokens * 2), acc(hd);
-  for (std::uint32_t j = 0; j < n; ++j) {
-    const std::uint32_t first = j + first_shift;
-    for (std::uint32_t h = 0; h < c.num_heads; ++h) {
-      const std::size_t row = std::size_t{j} * c.num_heads + h;
-      const float* qv = q + row * hd;
-      const std::size_t off = std::size_t{h / group} * hd;
-      float mx = lse[row];
-      for (std::uint32_t i = 0; i < count; ++i) {
-        const float* kv = sk + std::size_t{first + i} * kv_dim_ + off;
-        float dot = 0.0f;
-        for (std::uint32_t x = 0; x < hd; ++x)
-          dot += qv[x] * kv[x];
-        s[i] = scale_ * dot;
-        mx = std::max(mx, s[i]);
-      }
-      const float wc = std::isinf(lse[row]) ? 0.0f : std::exp(lse[row] - mx);
-      float* o = out + row * hd;
-      float den = wc;
-      for (std::uint32_t x = 0; x < hd; ++x)
-        acc[x] = wc * o[x];
-      for (std::uint32_t i = 0; i < count; ++i) {
-        const float e = std::exp(s[i] - mx);
-        const float* vv = sv + std::size_t{first + i} * kv_dim_ + off;
-        for (std::uint32_t x = 0; x < hd; ++x)
-          acc[x] += e * vv[x];
-        den += e;
-      }
-      for (std::uint32_t x = 0; x < hd; ++x)
-        o[x] = acc[x] / den;
-    }
-  }
-}
-
 // Verification in layer l of n = g + 1 tokens at positions p..p+g: token 0 (the pending token)
 // is committed already and is appended; the g drafts are never appended before acceptance.
-// The library's attend treats its q_len queries as the last q_len cached positions, so query j
-// sees cached positions <= p - g + j; the g positions it also needs (the last g - 1 committed
-// tokens, the pending token and the drafts up to itself) come from a side buffer, merged exactly
-// by log-sum-exp.
+// The cache attends each query over what it holds, the side buffer adds the positions it hides
+// (verify.hpp).
 void decoder::verify_attend(std::uint32_t l, std::uint32_t n, const float* q, const float* k,
                             const float* v, float* out) {
   const std::size_t bytes = std::size_t{n} * kv_dim_;
@@ -109,56 +52,14 @@ void decoder::verify_attend(std::uint32_t l, std::uint32_t n, const float* q, co
   append_f16(*cache_, l, k, v, 1);
   lse_.resize(std::size_t{n} * m_.config.num_heads);
   cache_->attend(l, q, n, out, lse_.data(), nullptr);
-  const std::uint32_t g = n - 1;
-  if (g > 0) {
-    const layer_tail& t = tails_[l];
-    const std::size_t from_tail = std::size_t{g - 1} * kv_dim_;
-    side_k_.assign(t.k.end() - static_cast<std::ptrdiff_t>(from_tail), t.k.end());
-    side_v_.assign(t.v.end() - static_cast<std::ptrdiff_t>(from_tail), t.v.end());
-    side_k_.insert(side_k_.end(), k, k + bytes);
-    side_v_.insert(side_v_.end(), v, v + bytes);
-    merge_side(q, n, side_k_.data(), side_v_.data(), 0, g, out, lse_.data());
-  }
+  side_.merge(l, q, k, v, n, out, lse_.data());
   // This round's queries (pending token + drafts) predict the next round's blocks in layer l;
   // the transfers overlap the rest of this round and the next draft.
   cache_->lookahead(l, q, n);
 }
 
-// The draft model's attention for one token: its cache holds the committed tokens; the tokens
-// drafted this round (the pending one first) are in draft_k_/draft_v_, itself last.
-void decoder::draft_attend(std::uint32_t l, const float* q, const float* k, const float* v,
-                           float* out) {
-  draft_k_[l].insert(draft_k_[l].end(), k, k + kv_dim_);
-  draft_v_[l].insert(draft_v_[l].end(), v, v + kv_dim_);
-  lse_.resize(m_.config.num_heads);
-  draft_cache_->attend(l, q, 1, out, lse_.data(), nullptr);
-  const auto count = static_cast<std::uint32_t>(draft_k_[l].size() / kv_dim_);
-  merge_side(q, 1, draft_k_[l].data(), draft_v_[l].data(), 0, count, out, lse_.data());
-}
-
-std::vector<int> decoder::self_draft(int x, std::uint32_t p, std::uint32_t g) {
-  for (std::uint32_t l = 0; l < o_.draft_layers; ++l) {
-    draft_k_[l].clear();
-    draft_v_[l].clear();
-  }
-  const attention_fn attend = [this](std::uint32_t l, std::uint32_t, const float* q, const float* k,
-                                     const float* v, float* out) {
-    draft_attend(l, q, k, v, out);
-  };
-  std::vector<int> drafts;
-  int tok = x;
-  for (std::uint32_t j = 0; j < g; ++j) {
-    tf_.step(&tok, 1, p + j, o_.draft_layers, attend, logits_.data());
-    tok = argmax(logits_.data(), m_.config.vocab_size);
-    drafts.push_back(tok);
-  }
-  return drafts;
-}
-
-std::vector<int> decoder::generate(const std::vector<int>& prompt,
-                                   const std::function<bool(int)>& on_token) {
+void decoder::begin(const std::vector<int>& prompt, std::uint32_t ctx) {
   const model_config& c = m_.config;
-  const std::uint32_t ctx = o_.context != 0 ? o_.context : c.context_length;
   const auto P = static_cast<std::uint32_t>(prompt.size());
   if (P == 0) {
     fail("the prompt is empty");
@@ -176,41 +77,114 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
   if (!cache_) {
     fail("the KV backend factory returned no backend");
   }
-  draft_cache_.reset();
-  const bool self = o_.draft == draft_kind::self;
-  if (self) {
-    cache_config dc = cc;
-    dc.mode = attention_mode::dense;  // the draft model keeps its own small dense cache
-    dc.num_layers = o_.draft_layers;
-    draft_cache_ = make_kv_backend(dc);
+  drafter_.reset();
+  if (o_.draft == draft_kind::self) {
+    // The draft model keeps its own small dense cache.
+    drafter_ = std::make_unique<self_drafter>(
+        m_, o_.draft_layers, o_.block_tokens, ctx,
+        self_drafter::slots_for(o_.draft_layers, o_.block_tokens, ctx), o_.rope_scale,
+        o_.attention_threads);
+    draft_seq_ = drafter_->add();
   }
-  tails_.assign(c.num_layers, {});
+  side_ = verify_side(c);
   verify_k_.assign(c.num_layers, {});
   verify_v_.assign(c.num_layers, {});
-  draft_k_.assign(c.num_layers, {});
-  draft_v_.assign(c.num_layers, {});
   logits_.resize(std::size_t{transformer::max_step_tokens} * c.vocab_size);
-  sampler smp(o_.temperature, o_.top_p, o_.seed);
+}
 
-  // -- prefill -------------------------------------------------------------------------------
+// The prompt's K,V of layer l into the caches and the side buffer.
+void decoder::commit_prompt(std::uint32_t l, const float* k, const float* v, std::uint32_t n) {
+  append_f16(*cache_, l, k, v, n);
+  if (drafter_) {
+    drafter_->append(draft_seq_, l, k, v, n);
+  }
+  const std::uint32_t keep = std::min(n, verify_side::max_tokens);
+  side_.push(l, k + std::size_t{n - keep} * kv_dim_, v + std::size_t{n - keep} * kv_dim_, keep);
+}
+
+std::vector<int> decoder::generate(const std::vector<int>& prompt,
+                                   const std::function<bool(int)>& on_token) {
+  const model_config& c = m_.config;
+  const std::uint32_t ctx = o_.context != 0 ? o_.context : c.context_length;
+  begin(prompt, ctx);
   const auto t0 = clock_type::now();
   tf_.prefill(
-      prompt.data(), P,
+      prompt.data(), static_cast<std::uint32_t>(prompt.size()),
       [&](std::uint32_t l, const float* k, const float* v, std::uint32_t n) {
-        append_f16(*cache_, l, k, v, n);
-        if (self && l < o_.draft_layers) {
-          append_f16(*draft_cache_, l, k, v, n);
-        }
-        const std::uint32_t keep = std::min(n, tail_tokens);
-        push_tail(l, k + std::size_t{n - keep} * kv_dim_, v + std::size_t{n - keep} * kv_dim_,
-                  keep);
+        commit_prompt(l, k, v, n);
         if (o_.progress)
           o_.progress("prefill", l + 1, c.num_layers, since(t0));
       },
       logits_.data());
   report_.prefill_seconds = since(t0);
+  return decode(prompt, ctx, on_token);
+}
 
-  // -- decode rounds ---------------------------------------------------------------------------
+prefilled_prompt decoder::prefill(const std::vector<int>& prompt) {
+  const model_config& c = m_.config;
+  if (prompt.empty()) {
+    fail("the prompt is empty");
+  }
+  prefilled_prompt p;
+  p.prompt = prompt;
+  p.k.resize(c.num_layers);
+  p.v.resize(c.num_layers);
+  p.logits.resize(c.vocab_size);
+  const auto t0 = clock_type::now();
+  tf_.prefill(
+      prompt.data(), static_cast<std::uint32_t>(prompt.size()),
+      [&](std::uint32_t l, const float* k, const float* v, std::uint32_t n) {
+        to_f16_bits(k, v, std::size_t{n} * kv_dim_, p.k[l], p.v[l]);
+        if (o_.progress)
+          o_.progress("prefill", l + 1, c.num_layers, since(t0));
+      },
+      p.logits.data());
+  p.seconds = since(t0);
+  return p;
+}
+
+std::vector<int> decoder::generate(const prefilled_prompt& p,
+                                   const std::function<bool(int)>& on_token) {
+  const model_config& c = m_.config;
+  const std::uint32_t ctx = o_.context != 0 ? o_.context : c.context_length;
+  const auto P = static_cast<std::uint32_t>(p.prompt.size());
+  if (p.k.size() != c.num_layers || p.v.size() != c.num_layers || p.logits.size() != c.vocab_size) {
+    fail("the prefilled prompt is not this model's");
+  }
+  begin(p.prompt, ctx);
+  std::vector<float> k, v;
+  for (std::uint32_t l = 0; l < c.num_layers; ++l) {
+    if (p.k[l].size() != std::size_t{P} * kv_dim_ || p.v[l].size() != p.k[l].size()) {
+      fail("the prefilled prompt's layer ", l, " holds ", p.k[l].size(), " values, not ",
+           std::size_t{P} * kv_dim_);
+    }
+    cache_->append(l, p.k[l].data(), p.v[l].data(), P);
+    // Widened back (exactly: they are f16 values) where the draft cache and the side buffer
+    // take f32: the whole layer for the draft model's, the last tokens for the side buffer.
+    const bool draft = drafter_ && l < drafter_->layers();
+    const std::uint32_t keep = std::min(P, verify_side::max_tokens), from = draft ? 0 : P - keep;
+    k.resize(std::size_t{P - from} * kv_dim_);
+    v.resize(k.size());
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      k[i] = oasiskv::f16{p.k[l][std::size_t{from} * kv_dim_ + i]}.to_float();
+      v[i] = oasiskv::f16{p.v[l][std::size_t{from} * kv_dim_ + i]}.to_float();
+    }
+    if (draft) {
+      drafter_->append(draft_seq_, l, k.data(), v.data(), P);
+    }
+    const std::size_t last = std::size_t{P - from - keep} * kv_dim_;
+    side_.push(l, k.data() + last, v.data() + last, keep);
+  }
+  std::copy(p.logits.begin(), p.logits.end(), logits_.begin());
+  report_.prefill_seconds = p.seconds;
+  return decode(p.prompt, ctx, on_token);
+}
+
+std::vector<int> decoder::decode(const std::vector<int>& prompt, std::uint32_t ctx,
+                                 const std::function<bool(int)>& on_token) {
+  const model_config& c = m_.config;
+  const auto P = static_cast<std::uint32_t>(prompt.size());
+  sampler smp(o_.temperature, o_.top_p, o_.seed);
   const auto t1 = clock_type::now();
   auto last_progress = t1;
   std::vector<int> out, history = prompt;
@@ -235,16 +209,23 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
                                      const float* k, const float* v, float* o) {
     verify_attend(l, n, q, k, v, o);
   };
+  draft_length length(o_.draft == draft_kind::none ? 0 : o_.draft_len, o_.adaptive_draft);
   std::vector<int> batch;
+  self_drafter::job job;
   while (!stop && p + 1 < ctx) {
     std::uint32_t g = 0;
     if (o_.draft != draft_kind::none) {
       g = std::min(
-          {o_.draft_len, p, ctx - 1 - p, o_.max_tokens - static_cast<std::uint32_t>(out.size())});
+          {length.next(), p, ctx - 1 - p, o_.max_tokens - static_cast<std::uint32_t>(out.size())});
     }
     std::vector<int> drafts;
-    if (g > 0 && self) {
-      drafts = self_draft(x, p, g);
+    if (g > 0 && drafter_) {
+      job.seq = draft_seq_;
+      job.token = x;
+      job.pos = p;
+      job.count = g;
+      drafter_->draft(std::span<self_drafter::job>(&job, 1));
+      drafts = job.drafts;
     } else if (g > 0) {
       history.push_back(x);
       drafts = ngram_draft(history, g);
@@ -255,17 +236,9 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
     const auto n = static_cast<std::uint32_t>(batch.size());
     tf_.step(batch.data(), n, p, c.num_layers, verify, logits_.data());
     // Accept the longest prefix of drafts the target agrees with, plus the target's own token.
-    std::uint32_t a = 0;
-    int y = 0;
-    for (std::uint32_t i = 0; i < n; ++i) {
-      const int t = smp.sample(logits_.data() + std::size_t{i} * c.vocab_size, c.vocab_size);
-      if (i < drafts.size() && t == drafts[i]) {
-        ++a;
-        continue;
-      }
-      y = t;
-      break;
-    }
+    const acceptance acc = accept_drafts(smp, logits_.data(), c.vocab_size, drafts);
+    const std::uint32_t a = acc.accepted;
+    length.update(static_cast<std::uint32_t>(drafts.size()), a);
     ++report_.rounds;
     report_.drafted += static_cast<std::uint32_t>(drafts.size());
     report_.accepted += a;
@@ -276,17 +249,17 @@ std::vector<int> decoder::generate(const std::vector<int>& prompt,
       if (a > 0) {
         append_f16(*cache_, l, k + kv_dim_, v + kv_dim_, a);
       }
-      if (self && l < o_.draft_layers) {
-        append_f16(*draft_cache_, l, k, v, a + 1);
+      if (drafter_) {
+        drafter_->append(draft_seq_, l, k, v, a + 1);
       }
-      push_tail(l, k, v, a + 1);
+      side_.push(l, k, v, a + 1);
     }
     history.insert(history.end(), batch.begin(), batch.begin() + a + 1);
     p += a + 1;
     for (std::uint32_t i = 0; i < a; ++i)
       emit(drafts[i]);
-    emit(y);
-    x = y;
+    emit(acc.next);
+    x = acc.next;
     if (o_.progress && since(last_progress) > 0.25) {
       last_progress = clock_type::now();
       o_.progress("decode", static_cast<std::uint32_t>(out.size()), o_.max_tokens, since(t1));

@@ -12,6 +12,8 @@
 
 #include <mini_decoder/decode/draft.hpp>
 #include <mini_decoder/decode/sampler.hpp>
+#include <mini_decoder/decode/self_draft.hpp>
+#include <mini_decoder/decode/verify.hpp>
 #include <mini_decoder/kv/kv_backend.hpp>
 #include <mini_decoder/model/model.hpp>
 #include <mini_decoder/model/transformer.hpp>
@@ -24,7 +26,8 @@ struct decoder_options {
   std::uint32_t budget_tokens = 1024;
   std::uint32_t block_tokens = 16;
   draft_kind draft = draft_kind::none;
-  std::uint32_t draft_len = 4;     // g: tokens drafted per round (1-15)
+  std::uint32_t draft_len = 4;     // g: tokens drafted per round (1-15); adaptive: the most
+  bool adaptive_draft = false;     // adapt g to the recent acceptance (`draft_length`)
   std::uint32_t draft_layers = 6;  // self-speculation: the first N layers are the draft model
   float temperature = 0.0f;
   float top_p = 1.0f;
@@ -56,41 +59,53 @@ struct generation_report {
   double acceptance_rate() const { return drafted == 0 ? 0.0 : double(accepted) / drafted; }
 };
 
+//! A prompt's prefill, kept to start several generations from (the prefill is the same dense
+//! pass in every mode): each layer's K,V as f16 bits, and the last token's logits.
+struct prefilled_prompt {
+  std::vector<int> prompt;
+  std::vector<std::vector<std::uint16_t>> k, v;  // per layer, [prompt tokens][kv_dim]
+  std::vector<float> logits;                     // [vocab]
+  double seconds = 0;                            // the prefill's
+};
+
 class decoder {
  public:
   decoder(const model& m, decoder_options o);
+  ~decoder();
   //! Generates after `prompt` (token ids, BOS included if the model wants one). `on_token` sees
   //! each committed token; returning false stops. Returns the generated tokens (no end token,
   //! unless `ignore_eos`: then end tokens are kept and generation goes on).
   std::vector<int> generate(const std::vector<int>& prompt,
                             const std::function<bool(int)>& on_token = {});
+  //! The same after a prefill done once (`prefill`): the caches are filled from its K,V, and
+  //! the tokens equal `generate(p.prompt)`'s. `report().prefill_seconds` is the kept prefill's.
+  std::vector<int> generate(const prefilled_prompt& p,
+                            const std::function<bool(int)>& on_token = {});
+  //! The prompt's prefill (with this decoder's model and RoPE scaling), to generate from twice.
+  prefilled_prompt prefill(const std::vector<int>& prompt);
   const generation_report& report() const { return report_; }
   const decoder_options& options() const { return o_; }
 
  private:
-  struct layer_tail {  // the last committed tokens' K,V ([tokens][kv_dim]), newest last
-    std::vector<float> k, v;
-  };
+  void begin(const std::vector<int>& prompt, std::uint32_t ctx);
+  void commit_prompt(std::uint32_t l, const float* k, const float* v, std::uint32_t n);
+  std::vector<int> decode(const std::vector<int>& prompt, std::uint32_t ctx,
+                          const std::function<bool(int)>& on_token);
   void verify_attend(std::uint32_t l, std::uint32_t n, const float* q, const float* k,
                      const float* v, float* out);
-  void draft_attend(std::uint32_t l, const float* q, const float* k, const float* v, float* out);
-  void merge_side(const float* q, std::uint32_t n, const float* sk, const float* sv,
-                  std::uint32_t first_shift, std::uint32_t count, float* out, const float* lse);
-  void push_tail(std::uint32_t l, const float* k, const float* v, std::uint32_t n);
   void append_f16(kv_backend& c, std::uint32_t l, const float* k, const float* v, std::uint32_t n);
-  std::vector<int> self_draft(int x, std::uint32_t p, std::uint32_t g);
 
   const model& m_;
   decoder_options o_;
   transformer tf_;
-  std::unique_ptr<kv_backend> cache_, draft_cache_;
-  std::vector<layer_tail> tails_;
+  std::unique_ptr<kv_backend> cache_;
+  std::unique_ptr<self_drafter> drafter_;  // draft == self
+  oasiskv::sequence_id draft_seq_{};
+  verify_side side_;
   std::vector<std::vector<float>> verify_k_, verify_v_;  // this round's K,V per layer
-  std::vector<std::vector<float>> draft_k_, draft_v_;    // the draft's own tokens per layer
-  std::vector<float> lse_, side_k_, side_v_, logits_;
+  std::vector<float> lse_, logits_;
   std::vector<std::uint16_t> k16_, v16_;
   std::uint32_t kv_dim_ = 0;
-  float scale_ = 1.0f;
   generation_report report_;
 };
 

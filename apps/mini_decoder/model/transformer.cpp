@@ -141,12 +141,14 @@ void transformer::step(const int* tokens, std::uint32_t n, std::uint32_t pos0, s
 }
 
 void transformer::step_batch(const int* tokens, const std::uint32_t* positions, std::uint32_t n,
-                             const batch_attention_fn& attend, float* logits) {
-  if (n == 0 || tokens == nullptr || positions == nullptr) {
-    fail("transformer::step_batch: ", n, " tokens (at least 1, with their positions)");
+                             const batch_attention_fn& attend, float* logits,
+                             std::uint32_t layers) {
+  if (n == 0 || tokens == nullptr || positions == nullptr || layers > m_.config.num_layers) {
+    fail("transformer::step_batch: ", n, " tokens (at least 1, with their positions) through ",
+         layers, " layers");
   }
   reserve_tokens(n);
-  forward(tokens, positions, n, m_.config.num_layers, attend, logits);
+  forward(tokens, positions, n, layers == 0 ? m_.config.num_layers : layers, attend, logits);
 }
 
 void transformer::forward(const int* tokens, const std::uint32_t* positions, std::uint32_t n,
@@ -183,15 +185,18 @@ void transformer::forward(const int* tokens, const std::uint32_t* positions, std
 }
 
 void transformer::attention_prefill(const float* q, const float* k, const float* v, std::uint32_t n,
-                                    float* out) {
+                                    std::uint32_t pos0, float* out) {
   const model_config& c = m_.config;
   const std::uint32_t hd = c.head_dim, qd = c.num_heads * hd, kvd = c.num_kv_heads * hd;
   const std::uint32_t group = c.num_heads / c.num_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  constexpr std::uint32_t chunk = 256;  // query rows per score matrix: bounded scratch
-  scores_.resize(std::size_t{chunk} * n);
-  for (std::uint32_t r0 = 0; r0 < n; r0 += chunk) {
-    const std::uint32_t rows = std::min(chunk, n - r0), keys = r0 + rows;  // causal: <= last row
+  const std::uint32_t end = pos0 + n;
+  scores_.resize(std::size_t{prefill_rows} * end);  // one block of query rows: bounded scratch
+  // Blocks of query rows at absolute multiples of prefill_rows, each against the keys up to its
+  // last row: the same products whether the prompt comes whole or in aligned chunks.
+  for (std::uint32_t a = pos0; a < end;) {
+    const std::uint32_t keys = std::min(end, (a / prefill_rows + 1) * prefill_rows);
+    const std::uint32_t rows = keys - a, r0 = a - pos0;
     for (std::uint32_t h = 0; h < c.num_heads; ++h) {
       const std::uint32_t g = h / group;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
@@ -201,7 +206,7 @@ void transformer::attention_prefill(const float* q, const float* k, const float*
                   static_cast<int>(keys));
       engine_pool().parallel_for(rows, [&](std::size_t i) {
         float* s = scores_.data() + i * keys;
-        const std::uint32_t last = r0 + static_cast<std::uint32_t>(i);
+        const std::uint32_t last = a + static_cast<std::uint32_t>(i);
         // The library's vectorised softmax pieces: a scalar expf per score made the softmax,
         // not the two products, the larger part of a long prompt's prefill.
         const float mx = oasiskv::cpu::detail::clamp_finite_max(s, last + 1, s);
@@ -217,46 +222,71 @@ void transformer::attention_prefill(const float* q, const float* k, const float*
                   static_cast<int>(keys), v + std::size_t{g} * hd, static_cast<int>(kvd), 0.0f,
                   out + std::size_t{r0} * qd + std::size_t{h} * hd, static_cast<int>(qd));
     }
+    a = keys;
   }
 }
 
 void transformer::prefill(const int* tokens, std::uint32_t n, const kv_sink_fn& sink,
                           float* logits) {
+  prefill(tokens, n, 0, {}, sink, logits);
+}
+
+void transformer::prefill(const int* tokens, std::uint32_t n, std::uint32_t pos0,
+                          const kv_source_fn& past, const kv_sink_fn& sink, float* logits) {
   const model_config& c = m_.config;
   if (n == 0) {
     fail("prefill: empty prompt");
   }
+  if (pos0 > 0 && !past) {
+    fail("prefill: a chunk at position ", pos0, " without the earlier chunks' keys and values");
+  }
   const std::size_t d = c.dim, qd = std::size_t{c.num_heads} * c.head_dim,
                     kvd = std::size_t{c.num_kv_heads} * c.head_dim, hid = c.hidden_dim;
+  const std::size_t all = std::size_t{pos0} + n;  // keys: the earlier chunks' and this one's
   px_.resize(n * d);
   pxb_.resize(n * std::max(d, qd));
   pq_.resize(n * qd);
-  pk_.resize(n * kvd);
-  pv_.resize(n * kvd);
+  pk_.resize(all * kvd);
+  pv_.resize(all * kvd);
   patt_.resize(n * qd);
   phb_.resize(n * hid);
   phb2_.resize(n * hid);
+  float* const k = pk_.data() + std::size_t{pos0} * kvd;  // this chunk's rows
+  float* const v = pv_.data() + std::size_t{pos0} * kvd;
+  // A short later chunk takes the decode rows' products: expanding every weight matrix to f32
+  // for a few rows would cost more than the rows themselves.
+  const bool as_rows = pos0 > 0 && n < prefill_rows;
+  const auto product = [&](const weight_matrix& w, const float* x, float* y) {
+    if (as_rows) {
+      matmul_quantized(w, x, n, y);
+    } else {
+      matmul_prefill(w, x, n, y, wscratch_);
+    }
+  };
   embed(tokens, n, px_.data());
   for (std::uint32_t l = 0; l < c.num_layers; ++l) {
     const layer_weights& w = m_.layers[l];
     rmsnorm(pxb_.data(), px_.data(), w.attn_norm, n);
-    matmul_prefill(w.wq, pxb_.data(), n, pq_.data(), wscratch_);
-    matmul_prefill(w.wk, pxb_.data(), n, pk_.data(), wscratch_);
-    matmul_prefill(w.wv, pxb_.data(), n, pv_.data(), wscratch_);
-    rope(pq_.data(), c.num_heads, n, 0);
-    rope(pk_.data(), c.num_kv_heads, n, 0);
-    round_to_f16(pk_.data(), n * kvd);
-    round_to_f16(pv_.data(), n * kvd);
-    sink(l, pk_.data(), pv_.data(), n);
-    attention_prefill(pq_.data(), pk_.data(), pv_.data(), n, patt_.data());
-    matmul_prefill(w.wo, patt_.data(), n, pxb_.data(), wscratch_);
+    product(w.wq, pxb_.data(), pq_.data());
+    product(w.wk, pxb_.data(), k);
+    product(w.wv, pxb_.data(), v);
+    rope(pq_.data(), c.num_heads, n, pos0);
+    rope(k, c.num_kv_heads, n, pos0);
+    round_to_f16(k, n * kvd);
+    round_to_f16(v, n * kvd);
+    sink(l, k, v, n);
+    if (pos0 > 0) {
+      past(l, pos0, pk_.data(), pv_.data());
+    }
+    attention_prefill(pq_.data(), pk_.data(), pv_.data(), n, pos0, patt_.data());
+    product(w.wo, patt_.data(), pxb_.data());
     for (std::size_t i = 0; i < n * d; ++i)
       px_[i] += pxb_[i];
     rmsnorm(pxb_.data(), px_.data(), w.ffn_norm, n);
-    matmul_prefill(w.gate, pxb_.data(), n, phb_.data(), wscratch_);
-    matmul_prefill(w.up, pxb_.data(), n, phb2_.data(), wscratch_);
+    product(w.gate, pxb_.data(), phb_.data());
+    product(w.up, pxb_.data(), phb2_.data());
     swiglu(phb_.data(), phb2_.data(), n * hid);
-    matmul_prefill(w.down, phb_.data(), n, pxb_.data(), wscratch_);
+    product(w.down, phb_.data(), pxb_.data());
     for (std::size_t i = 0; i < n * d; ++i)
       px_[i] += pxb_[i];
   }

@@ -20,6 +20,9 @@ using attention_fn = std::function<void(std::uint32_t layer, std::uint32_t n, co
 //! Receives one layer's keys and values of a prefill, [n][kv_heads][hd], f16-rounded.
 using kv_sink_fn =
     std::function<void(std::uint32_t layer, const float* k, const float* v, std::uint32_t n)>;
+//! Writes the keys and values of positions `[0, n)` of `layer` (the earlier chunks of a chunked
+//! prefill, f16-rounded as they were appended) to `k` and `v`, `[n][kv_heads][hd]` each.
+using kv_source_fn = std::function<void(std::uint32_t layer, std::uint32_t n, float* k, float* v)>;
 //! Attention of one batched step in `layer`: token i of the n belongs to the i-th sequence of
 //! the batch (its own position and cache); q, k, v and out are laid out as for `attention_fn`,
 //! one row per token.
@@ -39,16 +42,32 @@ class transformer {
   void step(const int* tokens, std::uint32_t n, std::uint32_t pos0, std::uint32_t layers,
             const attention_fn& attend, float* logits);
 
-  //! One token for each of `n` sequences (any n >= 1; the scratch grows to the largest batch),
-  //! token i at `positions[i]`, through all layers, the final norm and the LM head: `logits` is
-  //! [n][vocab]. Each weight matrix is read once for all n tokens. Every token's numbers equal
-  //! what `step` computes for it alone at its position.
+  //! Any `n >= 1` rows (the scratch grows to the largest batch), row i token `tokens[i]` at
+  //! `positions[i]`, through the first `layers` layers (all: 0), the final norm and the LM head:
+  //! `logits` is [n][vocab]. Rows may be one token of each of n sequences or several consecutive
+  //! tokens of some (a batched verification); the attention callback knows which. Each weight
+  //! matrix is read once for all n rows. Every row's numbers equal what `step` computes for it
+  //! alone at its position.
   void step_batch(const int* tokens, const std::uint32_t* positions, std::uint32_t n,
-                  const batch_attention_fn& attend, float* logits);
+                  const batch_attention_fn& attend, float* logits, std::uint32_t layers = 0);
 
   //! The prompt, all layers, dense causal attention computed here (prefill is exact in every
   //! mode); `sink` gets each layer's K,V to append. `logits` gets the last token's [vocab].
   void prefill(const int* tokens, std::uint32_t n, const kv_sink_fn& sink, float* logits);
+  //! One chunk of a prefill: tokens `[pos0, pos0 + n)` of a prompt whose first `pos0` tokens
+  //! went through earlier chunks (`past` gives their keys and values, layer by layer). The
+  //! attention's query rows are blocked at multiples of `prefill_rows` positions, so chunks that
+  //! start at such multiples attend exactly as the whole prompt in one `prefill`; the products
+  //! (sgemm over the chunk's rows) agree up to rounding, exactly where the BLAS computes a row
+  //! alike for any number of rows. A later chunk (`pos0 > 0`) of fewer than `prefill_rows`
+  //! tokens takes the decode rows' products instead (`matmul_quantized`: int8 activations by
+  //! default), which cost per row what decoding does, where sgemm would first expand every
+  //! weight matrix to f32. `logits` gets the chunk's last token's [vocab].
+  void prefill(const int* tokens, std::uint32_t n, std::uint32_t pos0, const kv_source_fn& past,
+               const kv_sink_fn& sink, float* logits);
+  //! The row block of the prefill's attention; chunk boundaries at its multiples attend as a
+  //! whole prefill does.
+  static constexpr std::uint32_t prefill_rows = 64;
 
  private:
   void rope(float* x, std::uint32_t heads, std::uint32_t n, std::uint32_t pos0) const;
@@ -60,7 +79,7 @@ class transformer {
   void rmsnorm(float* out, const float* x, const float* w, std::uint32_t n) const;
   void embed(const int* tokens, std::uint32_t n, float* x) const;
   void attention_prefill(const float* q, const float* k, const float* v, std::uint32_t n,
-                         float* out);
+                         std::uint32_t pos0, float* out);
 
   const model& m_;
   std::vector<float> inv_freq_;  // [hd/2]

@@ -132,7 +132,7 @@ void request_queue::run() {
       }
       for (auto it = live.begin(); it != live.end();) {
         if (engine_ && engine_->done(it->first)) {
-          finish(*it->second);
+          finish(*it->second, engine_->report(it->first));
           engine_->forget(it->first);
           it = live.erase(it);
         } else {
@@ -160,9 +160,10 @@ void request_queue::stop() {
   queue_cv_.notify_all();
 }
 
-void request_queue::finish(job& j) {
+void request_queue::finish(job& j, const request_report& r) {
   {
     std::lock_guard<std::mutex> lk(j.m);
+    j.report = r;
     j.ph = phase::done;
     j.ready = j.text.size();
   }

@@ -43,7 +43,8 @@ struct job {
   std::string text;       // the output so far, cut at a stop string
   std::size_t ready = 0;  // bytes of `text` final enough to send (no partial stop, no cut char)
   std::uint32_t completion_tokens = 0;
-  bool stopped = false;  // a stop string matched
+  bool stopped = false;   // a stop string matched
+  request_report report;  // the engine's timings and drafts, once done
   std::atomic<bool> cancelled{false};
 
   //! Ends the job with `e` unless it has ended already, and wakes its handler.
@@ -99,7 +100,7 @@ class request_queue {
  private:
   // The per-token callback (engine thread): detokenize, cut at a stop string, wake the handler.
   bool on_token(job& j, int tok);
-  static void finish(job& j);
+  static void finish(job& j, const request_report& r);
 
   const model& m_;
   batch_options o_;

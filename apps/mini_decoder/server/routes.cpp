@@ -107,6 +107,18 @@ void routes::generation(const httplib::Request& req, httplib::Response& res, boo
   auto usage = [P](const job& x) {
     return usage_json(P, x.completion_tokens);
   };
+  // The engine's per-request stats (an extension, as llama.cpp's server has): waiting, time to
+  // first token, inter-token latency percentiles, drafts.
+  auto timings = [](const job& x) {
+    const request_report& r = x.report;
+    const latency_summary t = r.inter_token();
+    return json{
+        {"queue_seconds", r.admitted_seconds},
+        {"first_token_seconds", r.first_token_seconds},
+        {"inter_token_seconds", {{"p50", t.p50}, {"p90", t.p90}, {"p99", t.p99}, {"max", t.max}}},
+        {"drafted", r.drafted},
+        {"accepted", r.accepted}};
+  };
 
   if (!g.stream) {
     std::unique_lock<std::mutex> lk(j->m);
@@ -117,6 +129,7 @@ void routes::generation(const httplib::Request& req, httplib::Response& res, boo
     json body = response_base(name, chat ? "chat.completion" : "text_completion", now, id_);
     body["choices"] = json::array({answer_choice(chat, j->text, finish_reason(*j))});
     body["usage"] = usage(*j);
+    body["timings"] = timings(*j);
     res.set_content(dump(body), "application/json");
     return;
   }
@@ -132,10 +145,12 @@ void routes::generation(const httplib::Request& req, httplib::Response& res, boo
   ev.piece = [chunk_base, chat](const std::string& text) {
     return sse_event(stream_chunk(chunk_base, chat, text, nullptr));
   };
-  ev.end = [chunk_base, chat, include_usage, finish_reason, usage](const job& x) {
+  ev.end = [chunk_base, chat, include_usage, finish_reason, usage, timings](const job& x) {
     std::string out = sse_event(stream_chunk(chunk_base, chat, "", finish_reason(x)));
     if (include_usage) {
-      out += sse_event(usage_chunk(chunk_base, usage(x)));
+      json u = usage_chunk(chunk_base, usage(x));
+      u["timings"] = timings(x);
+      out += sse_event(u);
     }
     return out + sse_done;
   };
