@@ -80,6 +80,14 @@ class shared_cache final : public batch_engine::cache {
 
 }  // namespace
 
+sampling_params sampling_of(const batch_request& r) {
+  sampling_params p = r.sampling;
+  p.temperature = r.temperature;
+  p.top_p = r.top_p;
+  p.seed = r.seed;
+  return p;
+}
+
 batch_engine::batch_engine(const model& m, batch_options o)
     : m_(m), o_(std::move(o)), tf_(m, o_.rope_scale) {
   const model_config& c = m.config;
@@ -208,7 +216,13 @@ batch_engine::request_id batch_engine::submit(batch_request r) {
            c.vocab_size);
     }
   }
-  (void)sampler(r.temperature, r.top_p, r.seed);  // checks the sampling parameters
+  (void)sampler(sampling_of(r));  // checks the sampling parameters
+  for (const auto& [token, bias] : r.sampling.logit_bias) {
+    if (static_cast<std::uint32_t>(token) >= c.vocab_size) {
+      fail("batch request: logit_bias names token ", token, ", outside the vocabulary of ",
+           c.vocab_size);
+    }
+  }
   const std::uint64_t len = std::uint64_t{P} + r.max_tokens;
   if (len > ctx_) {
     fail("batch request: a prompt of ", P, " tokens + max_tokens = ", r.max_tokens, " is ", len,
@@ -241,6 +255,26 @@ batch_engine::record& batch_engine::find(request_id id, const char* what) {
 
 const batch_engine::record& batch_engine::find(request_id id, const char* what) const {
   return const_cast<batch_engine*>(this)->find(id, what);
+}
+
+void batch_engine::cancel(request_id id) {
+  record& r = find(id, "cancel");
+  if (r.rep.done) {
+    return;
+  }
+  r.rep.done = true;
+  if (const auto q = std::find(queue_.begin(), queue_.end(), id); q != queue_.end()) {
+    queue_.erase(q);
+    return;
+  }
+  const auto a =
+      std::find_if(active_.begin(), active_.end(), [id](const sequence& s) { return s.id == id; });
+  if (a != active_.end()) {
+    cache_->remove(a->seq);
+    fast_used_ -= r.need.fast_slots;
+    capacity_used_ -= r.need.capacity_slots;
+    active_.erase(a);
+  }
 }
 
 bool batch_engine::done(request_id id) const {
@@ -282,6 +316,10 @@ void batch_engine::emit(sequence& s, int tok) {
   r.out.push_back(tok);
   r.rep.generated = static_cast<std::uint32_t>(r.out.size());
   s.pending = tok;
+  s.smp.accept(tok);
+  if (r.req.on_logprobs && r.req.sampling.logprobs >= 0) {
+    r.req.on_logprobs(s.smp.last());
+  }
   if ((r.req.on_token && !r.req.on_token(tok)) || r.out.size() >= r.req.max_tokens) {
     s.stop = true;
   }

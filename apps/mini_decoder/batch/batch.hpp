@@ -37,7 +37,17 @@ struct batch_request {
   //! Sees each generated token as it is sampled; returning false ends this request (the others
   //! go on). Called from `step()`.
   std::function<bool(int)> on_token;
+  //! Sampling beyond the three fields above (decode/sampler.hpp): top_k, presence and frequency
+  //! penalties, logit_bias, and log-probabilities. Its own temperature, top_p and seed are not
+  //! read: those above are.
+  sampling_params sampling;
+  //! With `sampling.logprobs >= 0`: sees each generated token's log-probabilities (of the
+  //! logits the engine computed for it) just before `on_token` sees the token.
+  std::function<void(const token_logprobs&)> on_logprobs;
 };
+
+//! `r.sampling` with `r`'s temperature, top_p and seed: what its sampler is built from.
+sampling_params sampling_of(const batch_request& r);
 
 //! How the engine is built.
 struct batch_options {
@@ -131,6 +141,12 @@ class batch_engine {
   //! `make_kv_backend` does.
   sequence_need need(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const;
 
+  //! Ends a request at once, whatever its state: a waiting one leaves the queue; an active one's
+  //! sequence leaves the cache, and its fast-tier and capacity reservations return for the next
+  //! admission. It is then done (no more tokens, `forget` may drop it). Does nothing for a done
+  //! request; throws `decoder_error` for an unknown one. Between steps, as every call.
+  void cancel(request_id id);
+
   bool done(request_id id) const;
   //! Drops a done request's output and report (a long-running engine calls it after reading
   //! them). Throws `decoder_error` for an unknown or unfinished request.
@@ -162,7 +178,7 @@ class batch_engine {
   };
   struct sequence {
     sequence(request_id i, oasiskv::sequence_id s, const batch_request& r)
-        : id(i), seq(s), smp(r.temperature, r.top_p, r.seed) {}
+        : id(i), seq(s), smp(sampling_of(r)) {}
     request_id id;
     oasiskv::sequence_id seq;  // in the shared cache
     sampler smp;
