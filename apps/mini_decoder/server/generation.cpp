@@ -74,26 +74,30 @@ class generation_reply final : public deferred_response {
   }
 
   void poll_whole(response_sink& out) {
-    json choices = json::array();
-    std::uint32_t completion = 0;
-    for (std::size_t i = 0; i < jobs_.size(); ++i) {
-      job& j = *jobs_[i];
-      std::unique_lock<std::mutex> lk(j.m);
-      if (j.ph == phase::failed) {
-        const request_error e = j.error;
+    // Every choice must have ended before anything is read from any.
+    for (auto& jp : jobs_) {
+      std::unique_lock<std::mutex> lk(jp->m);
+      if (jp->ph == phase::failed) {
+        const request_error e = jp->error;
         lk.unlock();
         respond_error(out, e);
         return;
       }
-      if (j.ph != phase::done) {
+      if (jp->ph != phase::done) {
         return;  // polled again when it changes
       }
-      if (j.aborted) {
+      if (jp->aborted) {
         lk.unlock();
-        respond_error(out, {503, "the server shut down before the answer was complete", "",
-                            "server_error"});
+        respond_error(
+            out, {503, "the server shut down before the answer was complete", "", "server_error"});
         return;
       }
+    }
+    json choices = json::array();
+    std::uint32_t completion = 0;
+    for (std::size_t i = 0; i < jobs_.size(); ++i) {
+      job& j = *jobs_[i];
+      std::lock_guard<std::mutex> lk(j.m);
       json lp = nullptr;
       if (s_.logprobs >= 0) {
         lp = logprobs_of(j, i, j.text.size());
