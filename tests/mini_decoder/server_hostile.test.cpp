@@ -680,7 +680,8 @@ TEST_CASE("hostile: /tokenize and /detokenize, and /metrics in Prometheus' text"
         "mini_decoder_generation_tokens_total 5", "mini_decoder_requests_running 0",
         "mini_decoder_requests_waiting 0", "mini_decoder_fast_tier_bytes ",
         "mini_decoder_prefetch_hit_ratio ", "mini_decoder_http_connections_open "}) {
-    CAPTURE(name);
-    CHECK(text.find(name) != std::string::npos);
+    const std::string line = name;
+    CAPTURE(line);
+    CHECK(text.find(line) != std::string::npos);
   }
 }

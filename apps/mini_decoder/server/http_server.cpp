@@ -201,7 +201,7 @@ struct http_server::impl : response_sink {
   // drain(): the loop publishes whether anything is under way.
   std::mutex busy_m;
   std::condition_variable busy_cv;
-  bool busy = false;
+  bool busy = false, published = false;  // published: `busy` is known since draining began
 
   connection* current = nullptr;  // the connection a `poll` writes to (the sink's target)
 
@@ -304,7 +304,11 @@ struct http_server::impl : response_sink {
     return stop;
   }
 
+  // For `drain`, which is only called once accepting has stopped: until then, nothing to do.
   void publish_busy() {
+    if (!draining) {
+      return;
+    }
     bool b = workers.queued() > 0;
     for (const auto& [key, c] : conns) {
       if (c.st == state::handling || c.st == state::flushing || c.pending() > 0) {
@@ -312,11 +316,14 @@ struct http_server::impl : response_sink {
         break;
       }
     }
-    std::lock_guard<std::mutex> lk(busy_m);
-    if (busy != b) {
-      busy = b;
-      busy_cv.notify_all();
+    {
+      std::lock_guard<std::mutex> lk(busy_m);
+      if (busy != b) {
+        busy = b;
+      }
+      published = true;
     }
+    busy_cv.notify_all();
   }
 
   void begin_draining() {
@@ -1033,7 +1040,7 @@ void http_server::stop_accepting() {
 
 bool http_server::drain(double s) {
   std::unique_lock<std::mutex> lk(p_->busy_m);
-  return p_->busy_cv.wait_for(lk, after(s), [&] { return !p_->busy; });
+  return p_->busy_cv.wait_for(lk, after(s), [&] { return p_->published && !p_->busy; });
 }
 
 void http_server::stop() {

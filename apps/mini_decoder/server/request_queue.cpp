@@ -194,12 +194,13 @@ void request_queue::run() {
         }
       }
       std::vector<batch_engine::request_id> ended;
+      std::vector<std::shared_ptr<job>> finished;
       for (auto& [rid, j] : live) {
         if (engine_ && engine_->done(rid)) {
           if (j->cancelled) {
             ++cancelled_;  // ended by its callback, its reader gone
           } else {
-            finish(*j, false);
+            finished.push_back(j);
           }
           engine_->forget(rid);
           ended.push_back(rid);
@@ -208,8 +209,13 @@ void request_queue::run() {
       for (const auto rid : ended) {
         drop(rid);
       }
+      publish();  // before the readers hear: a client that saw its answer sees it counted
+      for (const auto& j : finished) {
+        finish(*j, false);
+      }
+    } else {
+      publish();
     }
-    publish();
   }
   // Stopping: whatever is queued or running ends as it is, marked aborted, so that each reader
   // ends its answer (a stream with its finish and [DONE]).
