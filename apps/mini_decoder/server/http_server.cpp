@@ -599,8 +599,10 @@ struct http_server::impl : response_sink {
     body_in_flight += len;
     c.reserved = len;
     if (c.head.expect_continue && c.in.size() < len) {
+      const std::uint64_t key = c.key;
       c.out += "HTTP/1.1 100 Continue\r\n\r\n";
       flush(c);
+      return conns.count(key) != 0;  // a client gone on that write: nothing more to read
     }
     return true;
   }
