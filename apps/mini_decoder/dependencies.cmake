@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # What the mini-decoder needs beyond the library: OpenBLAS (cblas.h; the ops and model parts),
-# CLI11 and fmt (the CLI, the throughput benchmark), cpp-httplib and nlohmann/json (the server
-# part), and OpenMP (tools/accuracy and bench/matvec.bench.cpp).
+# CLI11 and fmt (the CLI, the throughput benchmark), nlohmann/json (the server part), cpp-httplib
+# (the server's tests, as their HTTP client; the server has its own event loop), and OpenMP
+# (tools/accuracy and bench/matvec.bench.cpp).
 # Included by apps/mini_decoder, tools/accuracy and tests/ (tests are configured first); sets
 # MINI_DECODER_DEPS_FOUND. Where something is missing the engine, the tools on it and their
 # tests are skipped, never the rest of the tree.

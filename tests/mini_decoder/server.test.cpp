@@ -146,7 +146,8 @@ std::string text_of(const json& r, bool is_chat) {
   return is_chat ? ch["message"]["content"].get<std::string>() : ch["text"].get<std::string>();
 }
 
-void check_error(const httplib::Result& r, int status, const char* param) {
+void check_error(const httplib::Result& r, int status, const char* param,
+                 const char* code = nullptr) {
   REQUIRE(r);
   CHECK(r->status == status);
   const json e = json::parse(r->body);
@@ -154,7 +155,11 @@ void check_error(const httplib::Result& r, int status, const char* param) {
   CHECK(e["error"]["type"] == "invalid_request_error");
   CHECK(e["error"]["message"].is_string());
   CHECK(!e["error"]["message"].get<std::string>().empty());
-  CHECK(e["error"]["code"].is_null());
+  if (code == nullptr) {
+    CHECK(e["error"]["code"].is_null());
+  } else {
+    CHECK(e["error"]["code"] == code);
+  }
   if (param == nullptr) {
     CHECK(e["error"]["param"].is_null());
   } else {
@@ -209,7 +214,7 @@ TEST_CASE("server: a greedy completion equals the single-sequence decoder's answ
   REQUIRE(one);
   CHECK(one->status == 200);
   CHECK(json::parse(one->body)["id"] == "stories260K");
-  check_error(c.c.Get("/v1/models/gpt-5"), 404, "model");
+  check_error(c.c.Get("/v1/models/gpt-5"), 404, "model", "model_not_found");
   const auto h = c.c.Get("/health");
   REQUIRE(h);
   CHECK(h->status == 200);
@@ -328,10 +333,11 @@ TEST_CASE("server: a budget for one sequence serves three concurrent requests in
   for (auto& t : threads) {
     t.join();
   }
-  // A request that could never fit: the engine refuses it with the numbers, HTTP 400.
+  // A request that could never fit: the engine refuses it with the numbers, HTTP 400 naming
+  // max_tokens (with the prompt, what makes it too large).
   client c(port);
   const auto big = c.post("/v1/completions", completion(prompts[0], 400));
-  check_error(big, 400, nullptr);
+  check_error(big, 400, "max_tokens");
   CHECK(json::parse(big->body)["error"]["message"].get<std::string>().find(
             "could never be admitted") != std::string::npos);
   s.stop();
@@ -368,7 +374,7 @@ TEST_CASE("server: bad requests get 400 or 404 with an OpenAI error body, others
   check_error(c.post("/v1/completions", json{{"prompt", "x"}, {"top_p", 0}}), 400, "top_p");
   check_error(c.post("/v1/completions", json{{"prompt", "x"}, {"stream", "yes"}}), 400, "stream");
   check_error(c.post("/v1/completions", json{{"prompt", "x"}, {"stop", 3}}), 400, "stop");
-  check_error(c.post("/v1/completions", json{{"prompt", "x"}, {"n", 2}}), 400, "n");
+  check_error(c.post("/v1/completions", json{{"prompt", "x"}, {"n", 9}}), 400, "n");
   // Too long for the context (512 tokens): with max_tokens, and the prompt alone.
   check_error(c.post("/v1/completions", json{{"prompt", "x"}, {"max_tokens", 600}}), 400,
               "max_tokens");

@@ -164,6 +164,28 @@ try:
 except openai.BadRequestError as e:
     check("openai 400: status", e.status_code, 400)
 
+# What the server implements beyond the basics, and what it refuses, through the client.
+c = client.completions.create(model="stories260K", prompt=prompt, max_tokens=8, temperature=0,
+                              logprobs=2, n=2)
+check("openai n=2: choices", len(c.choices), 2)
+check("openai logprobs: one per token", len(c.choices[0].logprobs.tokens),
+      c.usage.completion_tokens // 2)
+check("openai logprobs: top 2", all(len(t) <= 2 for t in c.choices[0].logprobs.top_logprobs), True)
+r = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=4,
+                                   temperature=0, logprobs=True, top_logprobs=1)
+check("openai chat logprobs", len(r.choices[0].logprobs.content), r.usage.completion_tokens)
+try:
+    client.chat.completions.create(model="stories260K", messages=messages, max_tokens=4,
+                                   tools=[{"type": "function", "function": {"name": "f"}}])
+    failures.append("openai: tools were accepted")
+except openai.BadRequestError as e:
+    check("openai tools: param", e.body.get("param") if isinstance(e.body, dict) else None, "tools")
+try:
+    client.completions.create(model="gpt-4o", prompt=prompt, max_tokens=4)
+    failures.append("openai: another model was accepted")
+except openai.NotFoundError as e:
+    check("openai other model: status", e.status_code, 404)
+
 for f in failures:
     print("error:", f, file=sys.stderr)
 print(f"server_clients: {'FAILED' if failures else 'all checks passed'} (answer {want!r})")

@@ -41,6 +41,14 @@ latency_summary summarise(std::vector<double> v) {
   return s;
 }
 
+sampling_params sampling_of(const batch_request& r) {
+  sampling_params p = r.sampling;
+  p.temperature = r.temperature;
+  p.top_p = r.top_p;
+  p.seed = r.seed;
+  return p;
+}
+
 batch_engine::batch_engine(const model& m, batch_options o)
     : m_(m), o_(std::move(o)), tf_(m, o_.rope_scale) {
   const model_config& c = m.config;
@@ -187,7 +195,13 @@ batch_engine::request_id batch_engine::submit(batch_request r) {
            c.vocab_size);
     }
   }
-  (void)sampler(r.temperature, r.top_p, r.seed);  // checks the sampling parameters
+  (void)sampler(sampling_of(r));  // checks the sampling parameters
+  for (const auto& [token, bias] : r.sampling.logit_bias) {
+    if (static_cast<std::uint32_t>(token) >= c.vocab_size) {
+      fail("batch request: logit_bias names token ", token, ", outside the vocabulary of ",
+           c.vocab_size);
+    }
+  }
   const std::uint64_t len = std::uint64_t{P} + r.max_tokens;
   if (len > ctx_) {
     fail("batch request: a prompt of ", P, " tokens + max_tokens = ", r.max_tokens, " is ", len,
@@ -222,6 +236,24 @@ const batch_engine::record& batch_engine::find(request_id id, const char* what) 
   return const_cast<batch_engine*>(this)->find(id, what);
 }
 
+void batch_engine::cancel(request_id id) {
+  record& r = find(id, "cancel");
+  if (r.rep.done) {
+    return;
+  }
+  r.rep.done = true;
+  if (const auto q = std::find(queue_.begin(), queue_.end(), id); q != queue_.end()) {
+    queue_.erase(q);
+    return;
+  }
+  const auto a =
+      std::find_if(active_.begin(), active_.end(), [id](const sequence& s) { return s.id == id; });
+  if (a != active_.end()) {
+    release(*a);  // its sequences leave the caches (the draft model's too), its bytes return
+    active_.erase(a);
+  }
+}
+
 bool batch_engine::done(request_id id) const {
   return find(id, "done").rep.done;
 }
@@ -249,7 +281,8 @@ std::size_t batch_engine::decoding() const {
 
 // Hands tokens committed together to the request: each is checked for the end and the limits and
 // seen by its callback; the time since the last delivery is shared by the tokens delivered.
-void batch_engine::deliver(sequence& s, const int* tokens, std::uint32_t count) {
+void batch_engine::deliver(sequence& s, const int* tokens, std::uint32_t count,
+                           const token_logprobs* logprobs) {
   record& r = find(s.id, "deliver");
   const std::size_t before = r.out.size();
   for (std::uint32_t i = 0; i < count && !s.stop; ++i) {
@@ -259,6 +292,9 @@ void batch_engine::deliver(sequence& s, const int* tokens, std::uint32_t count) 
       break;
     }
     r.out.push_back(tok);
+    if (logprobs && r.req.on_logprobs) {
+      r.req.on_logprobs(logprobs[i]);
+    }
     if ((r.req.on_token && !r.req.on_token(tok)) || r.out.size() >= r.req.max_tokens) {
       s.stop = true;
     }
@@ -353,7 +389,8 @@ void batch_engine::prefill_chunk(sequence& s, std::uint32_t n) {
   if (s.decoding()) {
     s.pos = s.prompt;
     s.pending = s.smp.sample(logits_.data(), c.vocab_size);
-    deliver(s, &s.pending, 1);
+    s.smp.accept(s.pending);
+    deliver(s, &s.pending, 1, &s.smp.last());
   }
 }
 
@@ -502,7 +539,7 @@ void batch_engine::commit_round() {
   for (std::size_t i = 0; i < n; ++i) {
     sequence& s = *round_[i];
     const acceptance acc = accept_drafts(s.smp, logits_.data() + std::size_t{s.row} * c.vocab_size,
-                                         c.vocab_size, s.drafts);
+                                         c.vocab_size, s.drafts, &s.logprobs);
     taken[i] = acc.accepted;
     next[i] = acc.next;
     s.length.update(static_cast<std::uint32_t>(s.drafts.size()), acc.accepted);
@@ -568,7 +605,7 @@ void batch_engine::commit_round() {
     toks.assign(s.drafts.begin(), s.drafts.begin() + a);
     toks.push_back(next[i]);
     const std::size_t before = find(s.id, "commit").out.size();
-    deliver(s, toks.data(), a + 1);
+    deliver(s, toks.data(), a + 1, s.logprobs.empty() ? nullptr : s.logprobs.data());
     report_.decode_tokens += find(s.id, "commit").out.size() - before;
     s.pending = next[i];
     if (s.pos + 1 >= ctx_) {

@@ -48,7 +48,17 @@ struct batch_request {
   //! Sees each generated token as it is sampled; returning false ends this request (the others
   //! go on). Called from `step()`.
   std::function<bool(int)> on_token;
+  //! Sampling beyond the three fields above (decode/sampler.hpp): top_k, presence and frequency
+  //! penalties, logit_bias, and log-probabilities. Its own temperature, top_p and seed are not
+  //! read: those above are.
+  sampling_params sampling;
+  //! With `sampling.logprobs >= 0`: sees each generated token's log-probabilities (of the
+  //! logits the engine computed for it) just before `on_token` sees the token.
+  std::function<void(const token_logprobs&)> on_logprobs;
 };
+
+//! `r.sampling` with `r`'s temperature, top_p and seed: what its sampler is built from.
+sampling_params sampling_of(const batch_request& r);
 
 //! How the engine is built.
 struct batch_options {
@@ -191,6 +201,12 @@ class batch_engine {
   //! side counts one block per layer of slack, as `make_kv_backend` does.
   sequence_need need(std::uint32_t prompt_tokens, std::uint32_t max_tokens) const;
 
+  //! Ends a request at once, whatever its state: a waiting one leaves the queue; an active one's
+  //! sequence leaves the cache, and its fast-tier and capacity reservations return for the next
+  //! admission. It is then done (no more tokens, `forget` may drop it). Does nothing for a done
+  //! request; throws `decoder_error` for an unknown one. Between steps, as every call.
+  void cancel(request_id id);
+
   bool done(request_id id) const;
   //! Drops a done request's output and report (a long-running engine calls it after reading
   //! them). Throws `decoder_error` for an unknown or unfinished request.
@@ -224,7 +240,7 @@ class batch_engine {
   struct sequence {
     sequence(request_id i, const batch_request& r, const batch_options& o, const model_config& c)
         : id(i),
-          smp(r.temperature, r.top_p, r.seed),
+          smp(sampling_of(r)),
           length(o.draft == draft_kind::none ? 0 : o.draft_len, o.adaptive_draft),
           side(c),
           prompt(static_cast<std::uint32_t>(r.prompt.size())) {}
@@ -242,13 +258,16 @@ class batch_engine {
     bool stop = false;
     // this step's round
     std::vector<int> drafts;
+    std::vector<token_logprobs> logprobs;  // of the tokens it samples (with sampling.logprobs)
     std::uint32_t row = 0;  // its first verification row
   };
   record& find(request_id id, const char* what);
   const record& find(request_id id, const char* what) const;
   void admit(request_id id);
   void release(const sequence& s);
-  void deliver(sequence& s, const int* tokens, std::uint32_t count);
+  // `logprobs`: the tokens' log-probabilities (with `sampling.logprobs >= 0`), or null.
+  void deliver(sequence& s, const int* tokens, std::uint32_t count,
+               const token_logprobs* logprobs = nullptr);
   void retire_finished();
   std::uint32_t decode_step();
   void draft_round(std::uint32_t budget);

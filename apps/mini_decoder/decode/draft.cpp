@@ -85,10 +85,17 @@ void draft_length::update(std::uint32_t drafted, std::uint32_t accepted) {
 }
 
 acceptance accept_drafts(sampler& s, const float* logits, std::uint32_t vocab,
-                         std::span<const int> drafts) {
+                         std::span<const int> drafts, std::vector<token_logprobs>* logprobs) {
   acceptance r;
+  if (logprobs) {
+    logprobs->clear();
+  }
   for (std::size_t i = 0; i <= drafts.size(); ++i) {
     const int t = s.sample(logits + i * std::size_t{vocab}, vocab);
+    s.accept(t);
+    if (logprobs && s.wants_logprobs()) {
+      logprobs->push_back(s.last());
+    }
     if (i < drafts.size() && t == drafts[i]) {
       ++r.accepted;
       continue;

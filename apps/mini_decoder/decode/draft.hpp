@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <mini_decoder/decode/sampler.hpp>
+
 namespace mini_decoder {
 
 enum class draft_kind : std::uint8_t { none, self, ngram };
@@ -56,12 +58,13 @@ struct acceptance {
   int next = 0;
 };
 
-class sampler;
-
 //! Samples the verification's rows in order (`logits` [drafts + 1][vocab]), one draw each as a
 //! plain run samples each position, and accepts the longest prefix of `drafts` that the samples
-//! equal: greedy and seeded sampling give the tokens a plain run gives.
+//! equal: greedy and seeded sampling give the tokens a plain run gives. Each token sampled is
+//! kept (the accepted drafts and the next), so each is counted by `sampler::accept` before the
+//! next row is sampled, as a plain run counts it. With `logprobs` (and the sampler's
+//! `logprobs >= 0`), it is set to the kept tokens' log-probabilities, in order.
 acceptance accept_drafts(sampler& s, const float* logits, std::uint32_t vocab,
-                         std::span<const int> drafts);
+                         std::span<const int> drafts, std::vector<token_logprobs>* logprobs = nullptr);
 
 }  // namespace mini_decoder

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The llama2.c tokenizer: SentencePiece-like pieces with merge scores, byte fallback, BOS = 1.
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
@@ -37,55 +38,24 @@ class llama2c_tokenizer final : public tokenizer {
         fail("llama2.c tokenizer '", path, "' is truncated at token ", i);
       }
       lookup_.emplace(pieces_[i], static_cast<int>(i));  // first wins, like a stable search
+      max_piece_ = std::max(max_piece_, pieces_[i].size());
     }
   }
 
   std::vector<int> encode(const std::string& text, bool add_bos) const override {
-    std::vector<int> t;
-    if (add_bos) {
-      t.push_back(1);
+    return encode_with(text, add_bos);
+  }
+
+  // Every token covers at most `max_piece_` bytes of the text: that bounds the count from below
+  // before anything is merged.
+  std::optional<std::vector<int>> encode_at_most(const std::string& text, bool add_bos,
+                                                 std::size_t limit) const override {
+    if ((text.size() + max_piece_ - 1) / max_piece_ > limit) {
+      return std::nullopt;
     }
-    if (!text.empty()) {
-      t.push_back(find(" "));  // SentencePiece's dummy prefix
-    }
-    std::string cp;
-    for (std::size_t i = 0; i < text.size(); ++i) {
-      const auto c = static_cast<unsigned char>(text[i]);
-      if ((c & 0xC0) != 0x80) {
-        cp.clear();
-      }
-      cp.push_back(static_cast<char>(c));
-      if (i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80 &&
-          cp.size() < 4) {
-        continue;
-      }
-      if (const int id = find(cp); id >= 0) {
-        t.push_back(id);
-      } else {
-        for (unsigned char b : cp) {
-          t.push_back(b + 3);  // byte fallback: <0x00> is token 3
-        }
-      }
-      cp.clear();
-    }
-    for (;;) {  // merge the best-scoring adjacent pair until none is in the vocabulary
-      float best = -1e10f;
-      int best_id = -1;
-      std::size_t at = 0;
-      for (std::size_t i = 0; i + 1 < t.size(); ++i) {
-        const int id = find(pieces_[static_cast<std::size_t>(t[i])] +
-                            pieces_[static_cast<std::size_t>(t[i + 1])]);
-        if (id >= 0 && scores_[static_cast<std::size_t>(id)] > best) {
-          best = scores_[static_cast<std::size_t>(id)];
-          best_id = id;
-          at = i;
-        }
-      }
-      if (best_id < 0) {
-        break;
-      }
-      t[at] = best_id;
-      t.erase(t.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+    std::vector<int> t = encode_with(text, add_bos);
+    if (t.size() > limit) {
+      return std::nullopt;
     }
     return t;
   }
@@ -120,6 +90,96 @@ class llama2c_tokenizer final : public tokenizer {
   std::uint32_t vocab_size() const override { return static_cast<std::uint32_t>(pieces_.size()); }
 
  private:
+  // The pieces of `text` (code points, or their bytes where the vocabulary lacks one), then
+  // merges: repeatedly the adjacent pair whose concatenation is the best-scoring piece, the
+  // leftmost of equals, until no concatenation is a piece. In O(n log n): the tokens are a
+  // linked list, the candidate pairs a heap by (score, position) whose stale entries are
+  // skipped when popped; the result is the quadratic rescan's, pair for pair.
+  std::vector<int> encode_with(const std::string& text, bool add_bos) const {
+    std::vector<int> t;
+    if (add_bos) {
+      t.push_back(1);
+    }
+    if (!text.empty()) {
+      t.push_back(find(" "));  // SentencePiece's dummy prefix
+    }
+    std::string cp;
+    for (std::size_t i = 0; i < text.size(); ++i) {
+      const auto c = static_cast<unsigned char>(text[i]);
+      if ((c & 0xC0) != 0x80) {
+        cp.clear();
+      }
+      cp.push_back(static_cast<char>(c));
+      if (i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80 &&
+          cp.size() < 4) {
+        continue;
+      }
+      if (const int id = find(cp); id >= 0) {
+        t.push_back(id);
+      } else {
+        for (unsigned char b : cp) {
+          t.push_back(b + 3);  // byte fallback: <0x00> is token 3
+        }
+      }
+      cp.clear();
+    }
+    const auto n = static_cast<int>(t.size());
+    std::vector<int> next(t.size()), prev(t.size());
+    std::vector<char> alive(t.size(), 1);
+    for (int i = 0; i < n; ++i) {
+      prev[i] = i - 1;
+      next[i] = i + 1 < n ? i + 1 : -1;
+    }
+    struct candidate {
+      float score;
+      int pos, right, left_tok, right_tok, result;
+    };
+    const auto worse = [](const candidate& a, const candidate& b) {
+      return a.score != b.score ? a.score < b.score : a.pos > b.pos;
+    };
+    std::vector<candidate> heap;
+    const auto pair_at = [&](int p) {  // the pair that starts at token p, if it is a piece
+      if (p < 0 || next[p] < 0) {
+        return;
+      }
+      const int q = next[p];
+      const int id = find(pieces_[static_cast<std::size_t>(t[static_cast<std::size_t>(p)])] +
+                          pieces_[static_cast<std::size_t>(t[static_cast<std::size_t>(q)])]);
+      // A score of -1e10 or below (or NaN) never merges, as in llama2.c.
+      if (id >= 0 && scores_[static_cast<std::size_t>(id)] > -1e10f) {
+        heap.push_back({scores_[static_cast<std::size_t>(id)], p, q, t[static_cast<std::size_t>(p)],
+                        t[static_cast<std::size_t>(q)], id});
+        std::push_heap(heap.begin(), heap.end(), worse);
+      }
+    };
+    for (int i = 0; i + 1 < n; ++i) {
+      pair_at(i);
+    }
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), worse);
+      const candidate c = heap.back();
+      heap.pop_back();
+      const auto p = static_cast<std::size_t>(c.pos), q = static_cast<std::size_t>(c.right);
+      if (!alive[p] || !alive[q] || next[p] != c.right || t[p] != c.left_tok ||
+          t[q] != c.right_tok) {
+        continue;  // stale: a token of the pair was merged since
+      }
+      t[p] = c.result;
+      alive[q] = 0;
+      next[p] = next[q];
+      if (next[p] >= 0) {
+        prev[static_cast<std::size_t>(next[p])] = c.pos;
+      }
+      pair_at(prev[p]);
+      pair_at(c.pos);
+    }
+    std::vector<int> out;
+    for (int p = 0; p >= 0 && p < n; p = next[static_cast<std::size_t>(p)]) {
+      out.push_back(t[static_cast<std::size_t>(p)]);
+    }
+    return out;
+  }
+
   int find(const std::string& s) const {
     const auto it = lookup_.find(s);
     return it == lookup_.end() ? -1 : it->second;
@@ -127,6 +187,7 @@ class llama2c_tokenizer final : public tokenizer {
   std::vector<std::string> pieces_;
   std::vector<float> scores_;
   std::unordered_map<std::string, int> lookup_;
+  std::size_t max_piece_ = 1;  // the longest piece: the most bytes of text one token covers
 };
 
 }  // namespace
