@@ -59,15 +59,13 @@ elif [ -n "${OASISKV_LLAMA_SDIST:-}" ]; then
   cp "$OASISKV_LLAMA_SDIST" "$sdist.part" && mv "$sdist.part" "$sdist"
 else
   echo "== downloading $sdist_name from PyPI (~75 MB)"
-  # The sdist's address, from PyPI's JSON API (the registry's own client interface).
-  url=$(curl -fsSL --retry 3 "https://pypi.org/pypi/llama-cpp-python/$sdist_version/json" |
-    python3 -c 'import json, sys
-for f in json.load(sys.stdin)["urls"]:
-    if f["packagetype"] == "sdist":
-        print(f["url"])
-        break')
-  [ -n "$url" ] || { echo "error: PyPI lists no sdist of llama-cpp-python $sdist_version" >&2; exit 1; }
-  curl -fSL --retry 3 -o "$sdist.part" "$url"
+  # The sdist's address, from PyPI's simple index (PEP 503: the page pip itself reads).
+  url=$(curl -fsSL --retry 3 "https://pypi.org/simple/llama-cpp-python/" | python3 -c '
+import re, sys
+m = re.search(r"href=\"([^\"#]*/" + re.escape(sys.argv[1]) + r")[#\"]", sys.stdin.read())
+print(m.group(1) if m else "")' "$sdist_name")
+  [ -n "$url" ] || { echo "error: PyPI's index lists no $sdist_name" >&2; exit 1; }
+  curl -fsSL --retry 3 -o "$sdist.part" "$url"
   verify "$sdist.part" || {
     rm -f "$sdist.part"
     echo "error: $url does not have sha256 $sdist_sha256" >&2
@@ -107,6 +105,8 @@ fi
 launcher=()
 if command -v ccache >/dev/null 2>&1; then
   launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  # paths below the clone hashed relative to it: a clone elsewhere hits the same entries
+  export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$root}"
 fi
 # AVX-512 and VNNI on, AMX off (AMX instructions trap on some virtual machines); no tests, no web
 # UI (neither built nor downloaded), no HTTPS; the build number and commit of the pinned source.
@@ -115,7 +115,8 @@ cmake -S "$src" -B "$build_dir/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_NUMBER=$llama_build_number \
-  -DLLAMA_BUILD_COMMIT=$llama_build_commit -DLLAMA_OASISKV_DIR="$root" "${launcher[@]}" >/dev/null
+  -DLLAMA_BUILD_COMMIT=$llama_build_commit -DLLAMA_OASISKV_DIR="$root" "${launcher[@]}" \
+  >"$build_dir/configure.log" 2>&1 || { cat "$build_dir/configure.log" >&2; exit 1; }
 # shellcheck disable=SC2086
 cmake --build "$build_dir/build" -j "$jobs" --target $targets
 echo "== built: $build_dir/build/bin ($targets)"
