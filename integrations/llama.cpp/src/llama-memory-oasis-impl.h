@@ -51,14 +51,13 @@ struct oasis_target {
   uint32_t before = 0;        // tokens it held before the ubatch
   std::vector<uint32_t> tok;  // ubatch indices of its tokens, in position order
   std::vector<uint32_t> own;  // those whose first sequence id it is
-  int32_t alias =
-      -1;  // >= 0: same tokens and blocks as that target, forked from it after the ubatch
+  // >= 0: takes that target's tokens and held its blocks: not written, forked from it after
+  int32_t alias = -1;
   uint32_t offset = 0;  // dense: first cell read back
 };
 
 // The ubatch being computed, as the custom operations see it.
 struct oasis_step {
-  const llama_ubatch* ub = nullptr;
   oasis_shape shape;
   std::vector<oasis_target> targets;
   std::vector<int32_t> first_of;  // [n_tokens] the target each token attends as
@@ -109,8 +108,6 @@ struct oasis_layer_op {
   uint32_t layer = 0;
   float q_factor = 1.0f;  // the model's softmax scale over the cache's
 };
-
-class llama_memory_oasis_context;
 
 class llama_memory_oasis : public llama_memory_i {
  public:
@@ -214,8 +211,6 @@ class llama_memory_oasis : public llama_memory_i {
   std::vector<float> qbuf, obuf;
   std::vector<uint8_t> kbuf, vbuf;
   std::vector<seq_t> hbuf;
-
-  friend class llama_memory_oasis_context;
 };
 
 class llama_memory_oasis_context : public llama_memory_context_i {

@@ -192,7 +192,6 @@ bool llama_memory_oasis::apply(const llama_ubatch& ub, const oasis_shape& shape)
 
   try {
     step = {};
-    step.ub = &ub;
     step.shape = shape;
     step.first_of.assign(ub.n_tokens, -1);
 
