@@ -114,7 +114,7 @@ class llama_memory_oasis : public llama_memory_i {
   llama_memory_oasis(const llama_model& model, const llama_cparams& cparams,
                      std::unique_ptr<oasiskv_bridge::cache> cache, ggml_type type);
 
-  ~llama_memory_oasis() override = default;
+  ~llama_memory_oasis() override;  // logs what the cache did
 
   // llama_memory_i
 

@@ -40,6 +40,20 @@ llama_memory_oasis::llama_memory_oasis(const llama_model& model, const llama_cpa
   }
 }
 
+llama_memory_oasis::~llama_memory_oasis() {
+  try {
+    const oasiskv_bridge::cache_report r = cache->report();
+    LLAMA_LOG_INFO(
+        "%s: OasisKV: %llu attention steps, %llu predicted ahead (lookahead), %llu at attention "
+        "time; blocks staged in time %llu, fetched late %llu; %.3f s predicting\n",
+        __func__, (unsigned long long)r.steps, (unsigned long long)r.lookaheads,
+        (unsigned long long)r.unpredicted, (unsigned long long)r.hits, (unsigned long long)r.misses,
+        r.predict_seconds);
+  } catch (...) {
+    // a destructor reports what it can
+  }
+}
+
 //
 // llama_memory_oasis
 //
