@@ -8,6 +8,8 @@
 #   3. the suite again under AddressSanitizer + UndefinedBehaviorSanitizer
 #   4. the concurrent parts under ThreadSanitizer
 #   5. a short run of scripts/demo.sh on the tree it tested
+#   6. llama.cpp with OasisKV as its KV cache (integrations/llama.cpp/test.sh): the pinned source
+#      built with the patch set (ccache keeps a rebuild short), compared with its stock cache
 # Fails when ctest fails, when a test is skipped (only the CUDA tests may skip, where no GPU is)
 # and when a test binary runs no test case.
 # Installs missing Debian packages when run as root. Build trees go to build/<preset>.
@@ -18,7 +20,8 @@ source scripts/common.sh
 jobs=$(nproc 2>/dev/null || echo 2)
 # clang-14: the package-consumer test builds the headers with clang too (tests/package).
 # doxygen: the API reference (scripts/api-docs.sh).
-oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}" clang-14 doxygen
+# ccache: the llama.cpp build (integrations/llama.cpp), its cache in ccache's own directory.
+oasiskv_install_packages "${OASISKV_BASE_PACKAGES[@]}" clang-14 doxygen ccache
 oasiskv_find_cuda
 
 # The SmolLM2 tests of the mini-decoder (apps/mini_decoder) need the model file; tests never download, so fetch it
@@ -185,6 +188,22 @@ else
   failed=$((failed + 1))
 fi
 rm -f "$demo_out"
+
+phase "llama.cpp with OasisKV as its KV cache (integrations/llama.cpp/test.sh)"
+# The build's own output is long; kept in a file and shown when it fails.
+llama_log=$(mktemp)
+if integrations/llama.cpp/build.sh --jobs "$jobs" >"$llama_log" 2>&1; then
+  if integrations/llama.cpp/test.sh --no-build --threads "$jobs"; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+  fi
+else
+  tail -n 40 "$llama_log" >&2
+  echo "error: integrations/llama.cpp/build.sh failed" >&2
+  failed=$((failed + 1))
+fi
+rm -f "$llama_log"
 
 echo "test.sh: $passed passed, $failed failed, $skipped skipped (${SECONDS}s)"
 [ "$failed" -eq 0 ]
