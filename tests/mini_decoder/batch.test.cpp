@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -97,13 +98,16 @@ struct batch_run {
   std::uint64_t steps = 0;
   batch_report report;
   std::vector<request_report> requests;
+  std::vector<std::vector<token_logprobs>> logprobs;  // with sampling.logprobs >= 0
 };
 
 // Submits each job before step `submit_at` and steps until everything is done. Request i
 // samples with seed 100 + i (where the setup samples).
-batch_run run_batch(batch_engine& e, const std::vector<job>& jobs, float temperature = 0.0f) {
+batch_run run_batch(batch_engine& e, const std::vector<job>& jobs, float temperature = 0.0f,
+                    const sampling_params& sampling = {}) {
   batch_run r;
   r.streamed.resize(jobs.size());
+  r.logprobs.resize(jobs.size());
   std::vector<batch_engine::request_id> ids(jobs.size());
   std::size_t submitted = 0;
   for (std::uint32_t step = 0;; ++step) {
@@ -116,6 +120,10 @@ batch_run run_batch(batch_engine& e, const std::vector<job>& jobs, float tempera
         q.temperature = temperature;
         q.top_p = 0.9f;
         q.seed = 100 + i;
+        q.sampling = sampling;
+        q.on_logprobs = [&r, i](const token_logprobs& lp) {
+          r.logprobs[i].push_back(lp);
+        };
         q.on_token = [&r, i](int t) {
           r.streamed[i].push_back(t);
           return true;
@@ -495,6 +503,45 @@ TEST_CASE("batch: seeded sampling with drafts equals a plain sampled run") {
   s.draft = draft_kind::none;
   batch_engine plain(m, engine_options(s, room_for_all(m, s, jobs)));
   CHECK(run_batch(plain, jobs, s.temperature).outputs == r.outputs);
+}
+
+TEST_CASE("batch: penalties and log-probabilities with drafts equal a plain run's") {
+  // The penalties count every token kept, the accepted drafts included, before the next row is
+  // sampled: a speculative round must see the counts a plain run sees at each position.
+  const model& m = stories_model();
+  const std::vector<job> jobs = stories_jobs(m);
+  setup s;
+  s.context = 256;
+  sampling_params p;
+  p.presence_penalty = 0.6f;
+  p.frequency_penalty = 0.4f;
+  p.logprobs = 2;
+  s.draft = draft_kind::ngram;
+  batch_engine spec(m, engine_options(s, room_for_all(m, s, jobs)));
+  const batch_run r = run_batch(spec, jobs, 0.0f, p);
+  CHECK(r.report.accepted > 0);  // drafts were kept: rounds of more than one token
+  s.draft = draft_kind::none;
+  batch_engine plain(m, engine_options(s, room_for_all(m, s, jobs)));
+  const batch_run want = run_batch(plain, jobs, 0.0f, p);
+  CHECK(r.outputs == want.outputs);
+  // The penalties act: without them some answer differs.
+  batch_engine free(m, engine_options(s, room_for_all(m, s, jobs)));
+  CHECK(run_batch(free, jobs).outputs != want.outputs);
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    INFO("request " << i);
+    REQUIRE(r.logprobs[i].size() == r.outputs[i].size());  // one per token delivered
+    REQUIRE(want.logprobs[i].size() == want.outputs[i].size());
+    for (std::size_t t = 0; t < r.outputs[i].size(); ++t) {
+      const token_logprobs& a = r.logprobs[i][t];
+      const token_logprobs& b = want.logprobs[i][t];
+      CHECK(a.token == r.outputs[i][t]);
+      CHECK(b.token == a.token);
+      CHECK(a.logprob <= 0.0f);
+      CHECK(std::fabs(a.logprob - b.logprob) < 1e-3f);  // a NaN fails
+      REQUIRE(a.top.size() == 2);
+      CHECK(a.top[0].second >= a.top[1].second);
+    }
+  }
 }
 
 TEST_CASE(

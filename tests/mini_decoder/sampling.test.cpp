@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <mini_decoder/batch/batch.hpp>
+#include <mini_decoder/decode/draft.hpp>
 #include <mini_decoder/decode/sampler.hpp>
 #include <mini_decoder/model/transformer.hpp>
 
@@ -248,6 +249,90 @@ TEST_CASE("batch: the engine's logprobs equal log_softmax of logits recomputed p
     }
     prefix.push_back(tokens[i]);
   }
+}
+
+TEST_CASE("accept_drafts: each kept token counts for the penalties before the next row") {
+  // Row 0 prefers token 1 (the draft); row 1 prefers token 1 over 2 by less than the presence
+  // penalty, so once row 0's token is counted, row 1 samples 2 and rejects the second draft.
+  const std::uint32_t vocab = 4;
+  const std::vector<float> logits = {0.0f, 1.0f, 0.5f, 0.0f,   // row 0
+                                     0.0f, 1.0f, 0.6f, 0.0f,   // row 1
+                                     0.0f, 0.0f, 0.0f, 3.0f};  // row 2
+  sampling_params p;
+  p.presence_penalty = 1.0f;
+  p.logprobs = 0;
+  sampler s(p);
+  const std::vector<int> drafts = {1, 1};
+  std::vector<token_logprobs> lps;
+  const acceptance a = accept_drafts(s, logits.data(), vocab, drafts, &lps);
+  CHECK(a.accepted == 1);
+  CHECK(a.next == 2);
+  REQUIRE(lps.size() == 2);  // the kept tokens', in order
+  CHECK(lps[0].token == 1);
+  CHECK(lps[1].token == 2);
+  // log-probabilities of the logits as given, before the penalty
+  const std::vector<double> row1 =
+      log_softmax(std::vector<float>(logits.begin() + 4, logits.begin() + 8));
+  CHECK(lps[1].logprob == doctest::Approx(row1[2]).epsilon(1e-4));
+  // Without the penalty both drafts are taken, and row 2 gives the next token.
+  sampler plain(sampling_params{});
+  const acceptance b = accept_drafts(plain, logits.data(), vocab, drafts);
+  CHECK(b.accepted == 2);
+  CHECK(b.next == 3);
+}
+
+TEST_CASE("batch: penalties with drafts equal a reference recomputed per prefix") {
+  // Greedy with presence and frequency penalties, against an independent computation: the
+  // logits of each position from a dense prefill of its prefix, penalised by the counts of the
+  // tokens generated before it. Plain decoding and speculative rounds (prompt lookup) alike.
+  const model& m = stories();
+  const std::uint32_t vocab = m.config.vocab_size;
+  const std::vector<int> prompt = m.tok->encode("Once upon a time, there was a little girl", true);
+  const std::uint32_t n = 40;
+  const float presence = 0.5f, frequency = 0.3f;
+  transformer tf(m);
+  std::vector<float> logits(vocab);
+  std::vector<int> prefix = prompt, want;
+  std::vector<std::uint32_t> counts(vocab, 0);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    tf.prefill(
+        prefix.data(), static_cast<std::uint32_t>(prefix.size()),
+        [](std::uint32_t, const float*, const float*, std::uint32_t) {}, logits.data());
+    for (std::uint32_t t = 0; t < vocab; ++t) {
+      if (counts[t] > 0) {
+        logits[t] -= presence + frequency * static_cast<float>(counts[t]);
+      }
+    }
+    const int tok = argmax(logits.data(), vocab);
+    want.push_back(tok);
+    ++counts[static_cast<std::size_t>(tok)];
+    prefix.push_back(tok);
+  }
+  std::vector<int> unpenalised;
+  for (const draft_kind k : {draft_kind::none, draft_kind::ngram}) {
+    CAPTURE(to_string(k));
+    batch_options o;
+    o.fast_tier_bytes = std::uint64_t{16} << 20;
+    o.draft = k;
+    batch_engine e(m, o);
+    batch_request r;
+    r.prompt = prompt;
+    r.max_tokens = n;
+    r.ignore_eos = true;
+    r.sampling.presence_penalty = presence;
+    r.sampling.frequency_penalty = frequency;
+    const auto id = e.submit(r);
+    batch_request free = r;
+    free.sampling = sampling_params{};
+    const auto id_free = e.submit(std::move(free));
+    e.run();
+    CHECK(e.output(id) == want);
+    unpenalised = e.output(id_free);
+    if (k == draft_kind::ngram) {
+      CHECK(e.report(id).rounds < n);  // some round kept drafts
+    }
+  }
+  CHECK(unpenalised != want);  // the penalties change the answer
 }
 
 TEST_CASE("batch: top_k 1 at temperature 1 gives the greedy answer; bad bias is refused") {

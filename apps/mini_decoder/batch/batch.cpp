@@ -10,8 +10,8 @@
 #include <mini_decoder/kv/cache_bundles.hpp>
 #include <mini_decoder/ops/threads.hpp>
 
-#include "oasiskv/attention/cpu/thread_pool.hpp"
 #include "oasiskv/core/dtype.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 
 namespace mini_decoder {
 

@@ -259,7 +259,7 @@ class batch_engine {
     // this step's round
     std::vector<int> drafts;
     std::vector<token_logprobs> logprobs;  // of the tokens it samples (with sampling.logprobs)
-    std::uint32_t row = 0;  // its first verification row
+    std::uint32_t row = 0;                 // its first verification row
   };
   record& find(request_id id, const char* what);
   const record& find(request_id id, const char* what) const;

@@ -65,6 +65,7 @@ struct acceptance {
 //! next row is sampled, as a plain run counts it. With `logprobs` (and the sampler's
 //! `logprobs >= 0`), it is set to the kept tokens' log-probabilities, in order.
 acceptance accept_drafts(sampler& s, const float* logits, std::uint32_t vocab,
-                         std::span<const int> drafts, std::vector<token_logprobs>* logprobs = nullptr);
+                         std::span<const int> drafts,
+                         std::vector<token_logprobs>* logprobs = nullptr);
 
 }  // namespace mini_decoder
