@@ -292,7 +292,7 @@ std::vector<std::string> corpus() {
       "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n",
       "<|im_start|><|im_end|><|endoftext|><not_special>",
       "Ünïcödé: naïve café, 日本語のテキスト, Ελληνικά, русский, emoji 😀🎉",
-      std::string("bad utf-8: \xff\xfe \xc3 \xe2\x82 end", 25),
+      std::string("bad utf-8: \xff\xfe \xc3 \xe2\x82 end"),
       std::string("nul\0inside", 10),
       "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
       "abababababababababababababababababababababababababababab",
