@@ -174,7 +174,7 @@ TEST_CASE("qminmax_int2_summary: scores and log-mass of the dequantized keys on 
       std::vector<std::uint32_t> ids(blocks);
       std::iota(ids.begin(), ids.end(), 0u);
       std::reverse(ids.begin(), ids.end());
-      for (const std::uint32_t n : {1u, 3u, 12u, 13u}) {
+      for (const std::uint32_t n : {1u, 3u, 12u, 13u, 16u, 17u}) {
         const auto q = random_rows(n, l.head_dim, 40 + n);
         for (const float scale : {0.0f, 0.125f}) {
           for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
@@ -206,18 +206,28 @@ TEST_CASE("qminmax_int2_summary: scores and log-mass of the dequantized keys on 
                 } else {
                   REQUIRE(std::isfinite(got));
                   // The integer kernel (coded entries of one code group, AVX-512 VNNI) rounds
-                  // the row to alpha Q, alpha = max |q| / limit: each dot product moves by at
-                  // most alpha / 2 sum |k'|, and so does a log-sum-exp of them.
+                  // the row to alpha Q, alpha = max |q| / limit, and each code's offset from the
+                  // lower bound to whole int8 steps of the bounds' scale s (off by at most s /
+                  // 3): each dot product moves by at most alpha / 2 sum |k'| + s / 3 (sum |q| +
+                  // d alpha / 2), and so does a log-sum-exp of them.
                   double slack = 0.0;
                   if (integer && fill[b] == full) {
                     const double alpha =
                         max_abs(qr, l.head_dim) / cpu::detail::int2_query_limit(l.head_dim);
+                    std::vector<std::uint32_t> bw(l.head_dim / 2);
+                    const double bs = s.bounds().bound_words(h, b, bw.data());
+                    double qsum = 0.0;
+                    for (std::uint32_t x = 0; x < l.head_dim; ++x) {
+                      qsum += std::abs(double{qr[x]});
+                    }
                     for (const auto& k : keys) {
                       double sum = 0.0;
                       for (const float v : k) {
                         sum += std::abs(double{v});
                       }
-                      slack = std::max(slack, alpha / 2 * sum * (1.0 + 1e-3));
+                      slack = std::max(
+                          slack, (alpha / 2 * sum + bs / 3 * (qsum + l.head_dim * alpha / 2)) *
+                                     (1.0 + 1e-3));
                     }
                   }
                   CHECK(std::abs(got - expect) <= 1e-5 * std::max(1.0, std::abs(expect)) + slack);
@@ -433,7 +443,7 @@ TEST_CASE("qminmax_int2_summary: the block kernels against the portable one") {
       for (auto& w : words) {
         w = word(rng);
       }
-      for (const std::uint32_t n : {1u, 5u, 12u, 13u}) {
+      for (const std::uint32_t n : {1u, 5u, 12u, 13u, 16u, 17u, 33u}) {
         const auto q = random_rows(n, d, 7 + n + d);
         for (const float scale : {0.0f, 0.125f}) {
           CAPTURE(d);
@@ -466,7 +476,14 @@ TEST_CASE("qminmax_int2_summary: the block kernels against the portable one") {
               }
               keys_abs = std::max(keys_abs, sum * (1.0 + 1e-3));
             }
-            const double slack = max_abs(qr, d) / cpu::detail::int2_query_limit(d) / 2 * keys_abs;
+            const double alpha = max_abs(qr, d) / cpu::detail::int2_query_limit(d);
+            double qsum = 0.0;
+            for (std::uint32_t x = 0; x < d; ++x) {
+              qsum += std::abs(double{qr[x]});
+            }
+            // The row's rounding, and each code's offset rounded to whole int8 steps (s / 3).
+            const double slack =
+                (alpha / 2 * keys_abs + s / 3.0 * (qsum + d * alpha / 2)) * (1.0 + 1e-3);
             CHECK(std::abs(integer[r] - want[r]) <=
                   1e-5 * std::max(1.0, std::abs(double{want[r]})) + slack);
           }

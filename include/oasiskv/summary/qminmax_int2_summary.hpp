@@ -57,9 +57,11 @@ namespace oasiskv {
 //! K+V (bounds 3.3%, codes 6.25%); plus, for each entry not yet full, `num_kv_heads *
 //! tokens_per_block * head_dim` f32 keys. Scoring paths: `cpu_isa::avx512_vnni` (what `best` and
 //! `avx512` resolve to on a CPU with AVX512_VNNI) scores whole entries of up to 16 tokens (head_dim
-//! a multiple of 32, at most 256) with 16-bit integer products (`vpdpwssd`): each query row is
-//! rounded to `alpha Q` with 16-bit `Q` once per call, which moves a score by at most `alpha / 2 *
-//! sum_x |k'_x|`, far below the codes' own error; other entries, and AVX-512 without VNNI, take an
+//! a multiple of 32, at most 256) with 8-bit integer products (`vpdpbusd`): each query row is
+//! rounded to `alpha Q` with int8 `Q` once per call, and each code's offset from the lower bound to
+//! whole int8 steps of the bounds' scale `s`, which together move a score by at most `alpha / 2 *
+//! sum_x |k'_x| + s / 3 * (sum_x |q_x| + head_dim * alpha / 2)`, far below the codes' own error;
+//! other entries, and AVX-512 without VNNI, take an
 //! f32 AVX-512 kernel (16 tokens x up to 12 rows per pass); both end in one vector epilogue for all
 //! rows (the polynomial `exp` and `log`). Every other path takes the portable kernel (f32 products,
 //! `std::exp`). Concurrent scoring calls are safe;

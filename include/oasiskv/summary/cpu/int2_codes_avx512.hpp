@@ -128,7 +128,7 @@ OASISKV_TARGET_AVX512 inline void int2_epilogue_avx512(const __m512* acc, std::u
     v[r] =
         r < R ? _mm512_maskz_mov_ps(
                     live,
-                    exp16_normal(_mm512_mul_ps(
+                    exp16_nonpositive(_mm512_mul_ps(
                         sv, _mm512_sub_ps(acc[r], _mm512_permutexvar_ps(_mm512_set1_epi32(r), m)))))
               : _mm512_setzero_ps();
   }

@@ -2,7 +2,7 @@
 //! @file
 //! @brief The code layout of `qminmax_int2_summary` that its scoring kernels share: 2-bit codes
 //! of every key element between its block's per-dimension bounds, and the query rows quantized
-//! to 16-bit integers for the integer kernel.
+//! to int8 for the integer kernel.
 #pragma once
 
 #include <algorithm>
@@ -29,32 +29,36 @@ inline float int2_value(float lo, float step, std::uint32_t u) noexcept {
   return lo + static_cast<float>(u) * step;
 }
 
-//! The query rows of one scoring call, quantized for the integer kernel
+//! The most query rows one pass of the integer kernel takes (its accumulators; the rows' bound
+//! terms are the lanes of one vector).
+inline constexpr std::uint32_t int2_pass_rows = 16;
+
+//! The query rows of one scoring call, quantized to int8 for the integer kernel
 //! (`int2_codes_avx512_vnni.hpp`).
 struct int2_query {
   std::uint32_t n = 0, d = 0;
-  std::vector<float> alpha;           //!< [n]: row r ~ alpha[r] * Q_r
-  std::vector<std::int32_t> pairs;    //!< [n][d / 2]: (Q_2p, Q_2p+1) as the low / high int16
-  std::vector<std::int32_t> columns;  //!< [passes of 12 rows][d / 2][16]: the pairs, rows in lanes
+  std::vector<float> alpha;  //!< [n]: row r ~ alpha[r] * Q_r
+  //! [passes][d / 4][16]: (Q_4p .. Q_4p+3) as the bytes 0-3 of lane r, a pass's row r
+  std::vector<std::int32_t> columns;
+  std::vector<std::int32_t> bias;  //!< [passes][16]: 128 sum_x Q_x per row (the bounds' offset)
 };
 
-//! The largest |Q| for head dimension `d`: `d * Q * 3 * 254` (the largest `A`) fits in int32.
-inline std::int32_t int2_query_limit(std::uint32_t d) noexcept {
-  const std::int64_t limit =
-      std::int64_t{std::numeric_limits<std::int32_t>::max()} / (762 * std::int64_t{d});
-  return static_cast<std::int32_t>(std::min<std::int64_t>(32767, limit));
+//! The largest |Q|: the query rows are int8 (`vpdpbusd`'s signed operand). The largest sum,
+//! `d * 127 * 255` for both terms together, fits in int32 for any head dimension the kernel takes.
+inline std::int32_t int2_query_limit(std::uint32_t /*d*/) noexcept {
+  return 127;
 }
 
-//! Quantizes `n` rows of `d` (even) values per row, `alpha = max |q| / int2_query_limit(d)`
-//! (0 for an all-zero row). False if a value is not finite (the caller scores in f32 instead).
+//! Quantizes `n` rows of `d` (a multiple of 4) values per row, `alpha = max |q| / 127` (0 for an
+//! all-zero row). False if a value is not finite (the caller scores in f32 instead).
 inline bool int2_quantize_query(const float* q, std::uint32_t n, std::uint32_t d, int2_query& z) {
   const std::int32_t limit = int2_query_limit(d);
-  const std::uint32_t half = d / 2, passes = (n + 11) / 12;
+  const std::uint32_t q4 = d / 4, passes = (n + int2_pass_rows - 1) / int2_pass_rows;
   z.n = n;
   z.d = d;
   z.alpha.assign(n, 0.0f);
-  z.pairs.assign(std::size_t{n} * half, 0);
-  z.columns.assign(std::size_t{passes} * half * 16, 0);
+  z.columns.assign(std::size_t{passes} * q4 * 16, 0);
+  z.bias.assign(std::size_t{passes} * 16, 0);
   for (std::uint32_t r = 0; r < n; ++r) {
     const float* row = q + std::size_t{r} * d;
     float amax = 0.0f;
@@ -67,14 +71,18 @@ inline bool int2_quantize_query(const float* q, std::uint32_t n, std::uint32_t d
     const float alpha = amax / static_cast<float>(limit);
     z.alpha[r] = alpha;
     const float inv = alpha > 0.0f ? 1.0f / alpha : 0.0f;
-    for (std::uint32_t p = 0; p < half; ++p) {
-      const auto lo = static_cast<std::int32_t>(std::nearbyint(row[2 * p] * inv));
-      const auto hi = static_cast<std::int32_t>(std::nearbyint(row[2 * p + 1] * inv));
-      const std::int32_t word = static_cast<std::int32_t>(
-          (static_cast<std::uint32_t>(hi) << 16) | (static_cast<std::uint32_t>(lo) & 0xffffu));
-      z.pairs[std::size_t{r} * half + p] = word;
-      z.columns[(std::size_t{r / 12} * half + p) * 16 + r % 12] = word;
+    std::int32_t sum = 0;
+    for (std::uint32_t p = 0; p < q4; ++p) {
+      std::uint32_t word = 0;
+      for (std::uint32_t j = 0; j < 4; ++j) {
+        const auto v = static_cast<std::int32_t>(std::nearbyint(row[4 * p + j] * inv));
+        sum += v;
+        word |= (static_cast<std::uint32_t>(v) & 0xffu) << (8 * j);
+      }
+      z.columns[(std::size_t{r / int2_pass_rows} * q4 + p) * 16 + r % int2_pass_rows] =
+          static_cast<std::int32_t>(word);
     }
+    z.bias[std::size_t{r / int2_pass_rows} * 16 + r % int2_pass_rows] = 128 * sum;
   }
   return true;
 }
