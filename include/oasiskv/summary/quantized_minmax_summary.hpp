@@ -334,8 +334,9 @@ class quantized_minmax_summary {
         std::uint32_t w = 0;
         for (std::uint32_t k = 0; k < 2; ++k) {
           const float v = qr[2 * p + k];
-          const auto u =
-              static_cast<std::uint32_t>(std::min(255.0f, std::nearbyint(std::abs(v) * inv)));
+          // |v| * inv is in [0, 255]: adding 1/2 and truncating rounds it (ties up) without
+          // the library call nearbyint is on a baseline x86-64 build (this runs per call).
+          const auto u = static_cast<std::uint32_t>(std::min(255.0f, std::abs(v) * inv + 0.5f));
           const double e = std::abs(double{v}) - double{t} * u;
           err += e * e;
           w |= (v > 0.0f ? u : u << 8) << (16 * k);

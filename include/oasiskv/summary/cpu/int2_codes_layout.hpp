@@ -75,7 +75,9 @@ inline bool int2_quantize_query(const float* q, std::uint32_t n, std::uint32_t d
     for (std::uint32_t p = 0; p < q4; ++p) {
       std::uint32_t word = 0;
       for (std::uint32_t j = 0; j < 4; ++j) {
-        const auto v = static_cast<std::int32_t>(std::nearbyint(row[4 * p + j] * inv));
+        // Rounded half away from zero by truncation (no library call: this runs per call).
+        const float x = row[4 * p + j] * inv;
+        const auto v = static_cast<std::int32_t>(x + (x >= 0.0f ? 0.5f : -0.5f));
         sum += v;
         word |= (static_cast<std::uint32_t>(v) & 0xffu) << (8 * j);
       }
