@@ -29,11 +29,14 @@
 //   lookahead_int2_mass/<shape>/tokens:N/factor:F     ... qminmax_int2_summary, softmax mass:
 //                                                the same bounds and contenders, scored from
 //                                                2-bit codes between the bounds
+//   lookahead_int2_pool/<shape>/threads:T        ... the same (factor 4, 4 tokens) on a pool of T
+//                                                threads: speedup_vs_1thread
 // (Every row names its aggregation: max unless said, as measured before softmax mass became
 // lookahead_predictor's default.)
-// Shapes: llama32k (32 q / 8 kv heads, head dim 128) and smollm2 (9 q / 3 kv, head dim 64), both
-// 32768 tokens of context in 16-token f16 blocks; budget 2048 tokens (128 blocks), 1 sink block,
-// 8 recent blocks.
+// Shapes (the `shape` argument): 0 llama32k (32 q / 8 kv heads, head dim 128) and 1 smollm2 (9 q /
+// 3 kv, head dim 64), both 32768 tokens of context, budget 2048 tokens (128 blocks); 2 llama8k
+// and 3 smollm2_8k, the same heads at 8192 tokens, budget 1024 (64 blocks); 16-token f16 blocks,
+// 1 sink block, 8 recent blocks. The 8k shapes run the softmax-mass rows at 4 tokens.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -52,6 +55,7 @@
 
 #include "oasiskv/concepts/block_summary.hpp"
 #include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/thread_pool.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
@@ -65,16 +69,21 @@ namespace {
 
 using namespace oasiskv;
 
-constexpr std::uint32_t context = 32768;
 constexpr std::uint32_t tokens_per_block = 16;
-constexpr std::uint32_t num_blocks = context / tokens_per_block;
-constexpr selection_params params{2048 / tokens_per_block, 1, 8};
 
+// A model shape at one context length, and the budget a deployment gives it there (the
+// mini-decoder's default at 8k is 1,024 tokens).
 struct shape {
   const char* name;
   std::uint32_t q_heads, kv_heads, head_dim;
+  std::uint32_t context, budget_tokens;
+  std::uint32_t blocks() const { return context / tokens_per_block; }
+  selection_params params() const { return {budget_tokens / tokens_per_block, 1, 8}; }
 };
-constexpr shape shapes[] = {{"llama32k", 32, 8, 128}, {"smollm2", 9, 3, 64}};
+constexpr shape shapes[] = {{"llama32k", 32, 8, 128, 32768, 2048},
+                            {"smollm2", 9, 3, 64, 32768, 2048},
+                            {"llama8k", 32, 8, 128, 8192, 1024},
+                            {"smollm2_8k", 9, 3, 64, 8192, 1024}};
 
 #if OASISKV_X86_KERNELS
 // Sums the buffer as 64-bit words with four independent AVX2 accumulators: as fast a read as
@@ -182,6 +191,9 @@ static_assert(block_summary<legacy_minmax_f16>);
 
 // One sequence of `context` tokens: its KV blocks, every summary of them, and queries.
 struct fixture {
+  shape sh;
+  std::uint32_t num_blocks;
+  selection_params params;
   kv_layout layout;
   host_tier pool;
   minmax_summary<> minmax;
@@ -197,7 +209,10 @@ struct fixture {
   std::map<int, std::unique_ptr<qminmax_int2_summary>> int2s;     // by contender factor
 
   explicit fixture(const shape& s)
-      : layout{1, s.q_heads, s.kv_heads, s.head_dim, tokens_per_block, dtype::f16},
+      : sh(s),
+        num_blocks(s.blocks()),
+        params(s.params()),
+        layout{1, s.q_heads, s.kv_heads, s.head_dim, tokens_per_block, dtype::f16},
         pool(layout, num_blocks, {.prefault = true}),
         minmax(layout, num_blocks),
         minmax_bf16(layout, num_blocks),
@@ -265,7 +280,7 @@ template <class Summary>
 prediction_input<Summary> input_of(fixture& f, Summary& s, std::uint32_t tokens) {
   prediction_input<Summary> in;
   in.layout = f.layout;
-  in.seq_len = context;
+  in.seq_len = f.sh.context;
   in.summaries = &s;
   in.summary_ids = f.ids;
   in.queries = {f.q.data(), nullptr, tokens};
@@ -282,10 +297,11 @@ double thread_seconds() {
 
 // Thread CPU seconds per select() of `p` over `calls` calls.
 template <class Predictor, class Summary>
-double time_calls(Predictor& p, const prediction_input<Summary>& in, selection& sel, int calls) {
+double time_calls(Predictor& p, const prediction_input<Summary>& in, const selection_params& sp,
+                  selection& sel, int calls) {
   const double t0 = thread_seconds();
   for (int i = 0; i < calls; ++i) {
-    p.select(in, params, sel);
+    p.select(in, sp, sel);
     benchmark::DoNotOptimize(sel.blocks.data());
   }
   return (thread_seconds() - t0) / calls;
@@ -300,12 +316,12 @@ double speedup_vs_f16(fixture& f, Summary& s, std::uint32_t tokens) {
   Predictor p;
   legacy_predictor lp;
   selection sel;
-  const double probe = time_calls(lp, legacy_in, sel, 1);
+  const double probe = time_calls(lp, legacy_in, f.params, sel, 1);
   const int calls = std::max(1, static_cast<int>(0.01 / probe));  // ~10 ms batches
   std::vector<double> ratios;
   for (int i = 0; i < 7; ++i) {
-    const double mine = time_calls(p, in, sel, calls);
-    ratios.push_back(time_calls(lp, legacy_in, sel, calls) / mine);
+    const double mine = time_calls(p, in, f.params, sel, calls);
+    ratios.push_back(time_calls(lp, legacy_in, f.params, sel, calls) / mine);
   }
   std::nth_element(ratios.begin(), ratios.begin() + 3, ratios.end());
   return ratios[3];
@@ -322,7 +338,7 @@ std::pair<double, double> frac_of_dense_floor(fixture& f, Predictor& p,
   std::vector<double> ratios, reads;
   std::uint64_t sink = 0;
   for (int i = 0; i < 7; ++i) {
-    const double mine = time_calls(p, in, sel, calls);
+    const double mine = time_calls(p, in, f.params, sel, calls);
     const double t0 = thread_seconds();
     for (int r = 0; r < 3; ++r) {
       sink += read_all(f.pool.slot_data(0), f.kv_bytes());
@@ -344,10 +360,10 @@ void run_predictor_on(benchmark::State& state, fixture& f, Summary& summary) {
   const prediction_input<Summary> in = input_of(f, summary, tokens);
   Predictor p;
   selection sel;
-  p.select(in, params, sel);  // warm the scratch buffers: steady state
+  p.select(in, f.params, sel);  // warm the scratch buffers: steady state
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
-    p.select(in, params, sel);
+    p.select(in, f.params, sel);
     benchmark::DoNotOptimize(sel.blocks.data());
   }
   const double per_call =
@@ -356,7 +372,8 @@ void run_predictor_on(benchmark::State& state, fixture& f, Summary& summary) {
   const auto [frac, read_s] = frac_of_dense_floor(f, p, in, sel, per_call);
   state.counters["frac_of_dense_floor"] = frac;
   state.counters["dense_read_us"] = read_s * 1e6;
-  state.counters["summary_MiB"] = summary.bytes_per_block() * double{num_blocks} / (1 << 20);
+  state.counters["summary_MiB"] =
+      summary.bytes_per_block() * static_cast<double>(f.num_blocks) / (1 << 20);
   state.counters["kv_MiB"] = static_cast<double>(f.kv_bytes()) / (1 << 20);
   state.counters["summary_over_kv"] =
       static_cast<double>(summary.bytes_per_block()) / f.layout.block_bytes();
@@ -417,17 +434,6 @@ void bm_lookahead_int2_mass(benchmark::State& state) {
       state, f, *f.int2s.at(static_cast<int>(state.range(2))));
 }
 
-void cascade_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"shape", "tokens", "factor"});
-  for (int s = 0; s < 2; ++s) {
-    for (int n : {1, 4}) {
-      for (int factor : {2, 4, 8}) {
-        b->Args({s, n, factor});
-      }
-    }
-  }
-}
-
 void shape_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"shape", "tokens"});
   for (int s = 0; s < 2; ++s) {
@@ -437,9 +443,66 @@ void shape_args(benchmark::internal::Benchmark* b) {
   }
 }
 
+// qminmax_int2_summary (factor 4), 4 lookahead tokens, its KV heads' scoring on a pool of
+// `threads` threads (`set_thread_pool`): wall time per select(), and `speedup_vs_1thread`, the
+// time of the same select() without a pool over this one's, in alternating ~10 ms batches of
+// wall time (median of 7 ratios; a pool's threads are not this thread's CPU time).
+void bm_lookahead_int2_pool(benchmark::State& state) {
+  fixture& f = get(static_cast<int>(state.range(0)));
+  const auto threads = static_cast<unsigned>(state.range(1));
+  qminmax_int2_summary& s = *f.int2s.at(4);
+  const auto in = input_of(f, s, 4);
+  cpu::thread_pool pool(threads);
+  lookahead_predictor<qminmax_int2_summary> pooled, alone;
+  pooled.set_thread_pool(&pool);
+  selection sel;
+  pooled.select(in, f.params, sel);
+  alone.select(in, f.params, sel);
+  for (auto _ : state) {
+    pooled.select(in, f.params, sel);
+    benchmark::DoNotOptimize(sel.blocks.data());
+  }
+  const auto wall = [&](auto& p, int calls) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) {
+      p.select(in, f.params, sel);
+      benchmark::DoNotOptimize(sel.blocks.data());
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls;
+  };
+  const int calls = std::max(1, static_cast<int>(0.01 / wall(alone, 1)));
+  std::vector<double> ratios;
+  for (int i = 0; i < 7; ++i) {
+    const double one = wall(alone, calls);
+    ratios.push_back(one / wall(pooled, calls));
+  }
+  std::nth_element(ratios.begin(), ratios.begin() + 3, ratios.end());
+  state.counters["speedup_vs_1thread"] = ratios[3];
+}
+
+// The 32k shapes at 1 and 4 lookahead tokens, the 8k ones at 4.
+void cascade_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"shape", "tokens", "factor"});
+  for (int s = 0; s < 4; ++s) {
+    for (int n : {1, 4}) {
+      for (int factor : {2, 4, 8}) {
+        if (s < 2 || n == 4) {
+          b->Args({s, n, factor});
+        }
+      }
+    }
+  }
+}
+
+// shape_args, and the 8k shapes at 4 lookahead tokens.
+void mass_args(benchmark::internal::Benchmark* b) {
+  shape_args(b);
+  b->Args({2, 4})->Args({3, 4});
+}
+
 }  // namespace
 
-BENCHMARK(bm_dense_read)->ArgName("shape")->Arg(0)->Arg(1)->UseRealTime();
+BENCHMARK(bm_dense_read)->ArgName("shape")->Arg(0)->Arg(1)->Arg(2)->Arg(3)->UseRealTime();
 BENCHMARK(bm_lookahead_minmax)->Apply(shape_args)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_minmax_bf16)
     ->Apply(shape_args)
@@ -464,7 +527,7 @@ BENCHMARK(bm_lookahead_int8_keys_mass)
     ->Unit(benchmark::kMicrosecond);
 
 BENCHMARK(bm_lookahead_quantized_mass)
-    ->Apply(shape_args)
+    ->Apply(mass_args)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_int4_keys_mass)
@@ -477,6 +540,14 @@ BENCHMARK(bm_lookahead_cascade_mass)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(bm_lookahead_int2_mass)
     ->Apply(cascade_args)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(bm_lookahead_int2_pool)
+    ->ArgNames({"shape", "threads"})
+    ->Args({1, 2})
+    ->Args({3, 2})
+    ->Args({0, 2})
+    ->Args({2, 2})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

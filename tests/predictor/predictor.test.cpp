@@ -26,6 +26,7 @@
 #include "oasiskv/predictor/lookahead_predictor.hpp"
 #include "oasiskv/predictor/oracle_predictor.hpp"
 #include "oasiskv/predictor/recency_predictor.hpp"
+#include "oasiskv/summary/cascade_summary.hpp"
 #include "oasiskv/summary/mean_summary.hpp"
 #include "oasiskv/summary/minmax_summary.hpp"
 #include "oasiskv/summary/qminmax_int2_summary.hpp"
@@ -1001,6 +1002,73 @@ TEST_CASE_TEMPLATE("summary-scoring predictors: KV heads scored on a pool select
       CHECK(a.tables == l.num_kv_heads);
       CHECK(a.offsets == b.offsets);
       CHECK(a.blocks == b.blocks);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("two-stage summaries: a head's blocks scored in ranges select the same blocks",
+                   S, qminmax_int2_summary, qminmax_int4_cascade) {
+  static_assert(split_two_stage_summary<S>);
+  // Fewer (input, KV head) pairs than twice the pool's threads: each head's bounds and fine
+  // scores run in ranges of blocks on the pool, with one top-k per head in between. 1 and 3 KV
+  // heads, pools of 2 and 3 threads, 1 and 4 lookahead tokens, a budget whose contenders are a
+  // part of the blocks and one (a short sequence) whose contenders are all of them; both
+  // granularities; select and select_many.
+  for (const std::uint32_t kv : {1u, 3u}) {
+    const kv_layout l{1, 3 * kv, kv, 64, 16, dtype::f16};
+    for (const unsigned threads : {2u, 3u}) {
+      cpu::thread_pool pool(threads);
+      for (const std::uint32_t tokens : {1u, 4u}) {
+        for (const std::uint32_t len : {3000u, 400u}) {
+          CAPTURE(kv);
+          CAPTURE(threads);
+          CAPTURE(tokens);
+          CAPTURE(len);
+          world<S> w(l, len, tokens, 57 + tokens + kv);
+          const selection_params sp{12, 1, 2};
+          const std::uint32_t blocks = l.blocks_for(len);
+          REQUIRE((w.summary->contenders(blocks, sp.budget_blocks) < blocks) == (len == 3000));
+          {
+            lookahead_predictor<S> serial, parallel;
+            parallel.set_thread_pool(&pool);
+            selection a, b;
+            for (int round = 0; round < 2; ++round) {
+              serial.select(w.input(), sp, a);
+              parallel.select(w.input(), sp, b);
+              REQUIRE(!a.blocks.empty());
+              CHECK(a.offsets == b.offsets);
+              CHECK(a.blocks == b.blocks);
+            }
+            // select_many of one input takes the same path.
+            const std::vector<prediction_input<S>> ins{w.input()};
+            selection c;
+            std::vector<selection*> outs{&c};
+            parallel.select_many(std::span<const prediction_input<S>>(ins), sp,
+                                 std::span<selection* const>(outs));
+            CHECK(c.blocks == a.blocks);
+          }
+          {
+            lookahead_predictor<S, softmax_mass_aggregation, per_kv_head_selection> serial,
+                parallel;
+            parallel.set_thread_pool(&pool);
+            selection a, b;
+            serial.select(w.input(), sp, a);
+            parallel.select(w.input(), sp, b);
+            CHECK(a.tables == kv);
+            CHECK(a.offsets == b.offsets);
+            CHECK(a.blocks == b.blocks);
+          }
+          {
+            lookahead_predictor<S, max_aggregation> serial, parallel;
+            parallel.set_thread_pool(&pool);
+            selection a, b;
+            serial.select(w.input(), sp, a);
+            parallel.select(w.input(), sp, b);
+            CHECK(a.offsets == b.offsets);
+            CHECK(a.blocks == b.blocks);
+          }
+        }
+      }
     }
   }
 }

@@ -40,4 +40,31 @@ concept two_stage_summary = block_summary<S> &&
   { cs.score_two_stage(h, entries, q, n, scale, keep_blocks, out) } -> std::same_as<void>;
 };
 
+//! @brief A `two_stage_summary` whose stages can run apart, so that a predictor can spread one
+//! KV head's scoring over several threads: the bounds of disjoint ranges of entries, then one
+//! top-k over all of them, then the fine scores of disjoint ranges of the contenders.
+//!
+//! Additional expressions, with the names above, `m`, `keep_blocks` `std::uint32_t`s and `bound`
+//! a `float*`:
+//! - `cs.contenders(m, keep_blocks)` -> `std::uint32_t`: how many of `m` entries stage 1 keeps.
+//! - `cs.score_bounds(h, entries, q, n, bound)`: `bound[i]` for every `entries[i]`, the entry's
+//!   stage-1 bound folded over the rows (its maximum; NaN as `+inf`), a function of that entry
+//!   alone.
+//! - `cs.score_fine(h, entries, q, n, scale, out)`: the fine scores of `entries` in the layout
+//!   and units of `score_two_stage`, a function of each entry alone.
+//!
+//! `score_two_stage` must equal: `c = contenders(m, keep_blocks)`; if `c >= m` the fine scores of
+//! every entry; else the fine scores of the `c` entries with the highest bounds (ties to the
+//! earlier entry) and `-inf` for the others. Concurrent calls are safe. Models:
+//! `cascade_summary<Coarse, Fine>`, `qminmax_int2_summary`.
+template <class S>
+concept split_two_stage_summary = two_stage_summary<S> &&
+    requires(const S& cs, std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+             std::uint32_t n, float scale, std::uint32_t m, std::uint32_t keep_blocks, float* bound,
+             float* out) {
+  { cs.contenders(m, keep_blocks) } -> std::convertible_to<std::uint32_t>;
+  { cs.score_bounds(h, entries, q, n, bound) } -> std::same_as<void>;
+  { cs.score_fine(h, entries, q, n, scale, out) } -> std::same_as<void>;
+};
+
 }  // namespace oasiskv

@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "oasiskv/concepts/block_summary.hpp"
@@ -20,6 +22,7 @@
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
 #include "oasiskv/cpu/thread_pool.hpp"
+#include "oasiskv/cpu/top_k.hpp"
 #include "oasiskv/predictor/aggregation.hpp"
 #include "oasiskv/predictor/block_selector.hpp"
 
@@ -88,7 +91,9 @@ class summary_scoring_predictor {
       return sp.target_mass == 0.0f && sp.budget_blocks >= ins[i].layout.blocks_for(ins[i].seq_len);
     };
     // Scratch per (input, KV head) when scored in parallel; one set per input otherwise.
-    const bool parallel = pool_ != nullptr && pool_->size() > 1 && n * kv_heads > 1;
+    // (A single pair is parallel too where its blocks can be scored in ranges.)
+    const bool parallel = pool_ != nullptr && pool_->size() > 1 &&
+                          (n * kv_heads > 1 || split_two_stage_summary<Summary>);
     for (std::size_t i = 0; i < n; ++i) {
       const std::uint32_t want = parallel ? ins[i].layout.num_kv_heads : 1;
       if (items_[i].heads.size() < want) {
@@ -111,14 +116,26 @@ class summary_scoring_predictor {
                                     Granularity::per_kv_head || h == 0);
     };
     if (parallel) {
-      // Item k is input k / kv_heads, head k % kv_heads (inputs with fewer heads skip the rest).
-      pool_->parallel_for(n * kv_heads, [&](std::size_t k) {
-        const std::size_t i = k / kv_heads;
-        const auto h = static_cast<std::uint32_t>(k % kv_heads);
-        if (h < ins[i].layout.num_kv_heads && !covered(i)) {
-          score(i, h, items_[i].heads[h]);
+      bool split = false;
+      if constexpr (split_two_stage_summary<Summary>) {
+        // Fewer (input, KV head) pairs than twice the threads would leave threads idle (a
+        // SmolLM2 sequence's 3 KV heads on 2 threads take 2 rounds of one head): each head's
+        // blocks are then scored in ranges instead.
+        split = n * kv_heads < 2 * std::size_t{pool_->size()};
+        if (split) {
+          score_split(ins, sp, kv_heads, covered);
         }
-      });
+      }
+      // Item k is input k / kv_heads, head k % kv_heads (inputs with fewer heads skip the rest).
+      if (!split) {
+        pool_->parallel_for(n * kv_heads, [&](std::size_t k) {
+          const std::size_t i = k / kv_heads;
+          const auto h = static_cast<std::uint32_t>(k % kv_heads);
+          if (h < ins[i].layout.num_kv_heads && !covered(i)) {
+            score(i, h, items_[i].heads[h]);
+          }
+        });
+      }
       // Each input's heads fold into its own accumulator, in head order.
       const auto fold_input = [&](std::size_t i) {
         for (std::uint32_t h = 0; h < ins[i].layout.num_kv_heads && !covered(i); ++h) {
@@ -199,6 +216,12 @@ class summary_scoring_predictor {
     std::vector<float> rows;      // [tokens][group][head_dim] of one KV head
     std::vector<float> raw;       // [rows][blocks] of one KV head
     std::vector<float> by_entry;  // [blocks][rows]: `score`'s layout, for other summaries
+    // score_split's: the contender count, the bounds [blocks], the pick, the fine scores
+    // [contenders][rows].
+    std::uint32_t contenders = 0;
+    std::vector<float> bound, ranked, pool;
+    std::vector<std::uint32_t> picked, ids;  // the contenders' indices and entry ids, ascending
+    std::vector<float> fine;
   };
 
   void score_head(const Summary& s, std::uint32_t h, std::span<const std::uint32_t> ids,
@@ -226,6 +249,131 @@ class summary_scoring_predictor {
     }
   }
 
+  // `score_head` for a two-stage summary whose stages run apart, every (input, KV head) pair's
+  // blocks spread over the pool in `segments` ranges: the bounds of each range, one top-k per
+  // pair, the fine scores of each range of its contenders, then each pair's scatter. Equal to
+  // `score_head` (the stages are functions of each entry alone, the top-k sees every bound).
+  template <class Covered>
+  void score_split(std::span<const prediction_input<Summary>> ins, const selection_params& sp,
+                   std::uint32_t kv_heads,
+                   const Covered& covered) requires split_two_stage_summary<Summary> {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    const std::size_t pairs = ins.size() * kv_heads;
+    const std::size_t segments =
+        std::max<std::size_t>(1, (2 * std::size_t{pool_->size()} + pairs - 1) / pairs);
+    const auto live = [&](std::size_t i, std::uint32_t h) {
+      return h < ins[i].layout.num_kv_heads && !covered(i);
+    };
+    // The range `seg` of `count` items.
+    const auto range = [&](std::size_t seg, std::uint32_t count) {
+      const auto lo = static_cast<std::uint32_t>(seg * count / segments);
+      const auto hi = static_cast<std::uint32_t>((seg + 1) * count / segments);
+      return std::pair{lo, hi};
+    };
+    const auto scale_for = [&](const prediction_input<Summary>& in) {
+      return mass_aggregation<Aggregation> ? scale_of(in.layout) : 0.0f;
+    };
+    // 1: each pair's rows and sizes.
+    pool_->parallel_for(pairs, [&](std::size_t k) {
+      const std::size_t i = k / kv_heads;
+      const auto h = static_cast<std::uint32_t>(k % kv_heads);
+      if (!live(i, h)) {
+        return;
+      }
+      const prediction_input<Summary>& in = ins[i];
+      head_scratch& hs = items_[i].heads[h];
+      gather_group_rows(in.layout, in.queries, h, hs.rows);
+      const auto m = static_cast<std::uint32_t>(in.summary_ids.size());
+      const std::uint32_t rows = in.queries.num_tokens * in.layout.group_size();
+      hs.contenders = m == 0 ? 0 : in.summaries->contenders(m, sp.budget_blocks);
+      hs.raw.resize(std::size_t{m} * rows);
+      hs.by_entry.resize(hs.raw.size());
+      hs.bound.resize(hs.contenders < m ? m : 0);
+    });
+    // 2: the bounds of each range (or, with every entry a contender, its fine scores).
+    pool_->parallel_for(pairs * segments, [&](std::size_t k) {
+      const std::size_t i = k / segments / kv_heads;
+      const auto h = static_cast<std::uint32_t>(k / segments % kv_heads);
+      if (!live(i, h)) {
+        return;
+      }
+      const prediction_input<Summary>& in = ins[i];
+      head_scratch& hs = items_[i].heads[h];
+      const auto m = static_cast<std::uint32_t>(in.summary_ids.size());
+      const std::uint32_t rows = in.queries.num_tokens * in.layout.group_size();
+      const auto [lo, hi] = range(k % segments, m);
+      if (hi == lo || hs.contenders == 0) {
+        return;
+      }
+      const auto ids = in.summary_ids.subspan(lo, hi - lo);
+      if (hs.contenders >= m) {
+        in.summaries->score_fine(h, ids, hs.rows.data(), rows, scale_for(in),
+                                 hs.by_entry.data() + std::size_t{lo} * rows);
+      } else {
+        in.summaries->score_bounds(h, ids, hs.rows.data(), rows, hs.bound.data() + lo);
+      }
+    });
+    // 3: each pair's contenders.
+    pool_->parallel_for(pairs, [&](std::size_t k) {
+      const std::size_t i = k / kv_heads;
+      const auto h = static_cast<std::uint32_t>(k % kv_heads);
+      head_scratch& hs = items_[i].heads[h];
+      const auto m = static_cast<std::uint32_t>(ins[i].summary_ids.size());
+      if (!live(i, h) || hs.contenders == 0 || hs.contenders >= m) {
+        return;
+      }
+      hs.picked.clear();
+      cpu::detail::keep_top(isa_, hs.bound.data(), m, hs.contenders, 0, hs.ranked, hs.pool,
+                            hs.picked);
+      hs.ids.resize(hs.picked.size());
+      for (std::size_t j = 0; j < hs.picked.size(); ++j) {
+        hs.ids[j] = ins[i].summary_ids[hs.picked[j]];
+      }
+      const std::uint32_t rows = ins[i].queries.num_tokens * ins[i].layout.group_size();
+      hs.fine.resize(std::size_t{hs.contenders} * rows);
+    });
+    // 4: the fine scores of each range of the contenders.
+    pool_->parallel_for(pairs * segments, [&](std::size_t k) {
+      const std::size_t i = k / segments / kv_heads;
+      const auto h = static_cast<std::uint32_t>(k / segments % kv_heads);
+      if (!live(i, h)) {
+        return;
+      }
+      const prediction_input<Summary>& in = ins[i];
+      head_scratch& hs = items_[i].heads[h];
+      const auto m = static_cast<std::uint32_t>(in.summary_ids.size());
+      if (hs.contenders == 0 || hs.contenders >= m) {
+        return;
+      }
+      const std::uint32_t rows = in.queries.num_tokens * in.layout.group_size();
+      const auto [lo, hi] = range(k % segments, hs.contenders);
+      if (hi > lo) {
+        in.summaries->score_fine(h, std::span<const std::uint32_t>(hs.ids).subspan(lo, hi - lo),
+                                 hs.rows.data(), rows, scale_for(in),
+                                 hs.fine.data() + std::size_t{lo} * rows);
+      }
+    });
+    // 5: each pair's scores in place, [rows][blocks].
+    pool_->parallel_for(pairs, [&](std::size_t k) {
+      const std::size_t i = k / kv_heads;
+      const auto h = static_cast<std::uint32_t>(k % kv_heads);
+      if (!live(i, h)) {
+        return;
+      }
+      head_scratch& hs = items_[i].heads[h];
+      const auto m = static_cast<std::uint32_t>(ins[i].summary_ids.size());
+      const std::uint32_t rows = ins[i].queries.num_tokens * ins[i].layout.group_size();
+      if (hs.contenders < m) {
+        std::fill(hs.by_entry.begin(), hs.by_entry.end(), -inf);
+        for (std::size_t j = 0; j < hs.picked.size() && hs.contenders > 0; ++j) {
+          std::copy_n(hs.fine.data() + j * rows, rows,
+                      hs.by_entry.data() + std::size_t{hs.picked[j]} * rows);
+        }
+      }
+      transpose(m, rows, hs);
+    });
+  }
+
   static void transpose(std::size_t blocks, std::uint32_t rows, head_scratch& hs) {
     for (std::size_t i = 0; i < blocks; ++i) {
       for (std::uint32_t r = 0; r < rows; ++r) {
@@ -244,6 +392,7 @@ class summary_scoring_predictor {
 
   block_selector selector_;
   std::vector<item_scratch> items_;
+  cpu_isa isa_ = resolve_isa(cpu_isa::best);  // score_split's top-k (every path keeps the same)
   cpu::thread_pool* pool_ = nullptr;
 };
 

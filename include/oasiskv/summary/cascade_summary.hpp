@@ -80,50 +80,66 @@ struct contender_scratch {
 };
 
 //! @brief The first stage of a two-stage summary: scores `entries` of KV head `h` with `coarse`
-//! (a `block_summary`; its `score_rows` where it models `row_scoring_summary`), folds each
-//! entry's scores to one bound, the maximum over the `n` rows (NaN counts as `+inf`), and leaves
-//! in `s.picked` / `s.ids` the `c` entries with the highest bounds (ties to the earlier entry),
-//! ascending. Needs `0 < c < entries.size()`, `n > 0` and non-null `q`.
+//! (a `block_summary`; its `score_rows` where it models `row_scoring_summary`) and folds each
+//! entry's scores to one bound, the maximum over the `n` rows (NaN counts as `+inf`), into
+//! `bound[i]`. Each entry's bound depends on that entry alone, so a range of entries can be
+//! bounded apart from the rest. `scores` is scratch. Needs `n > 0` and non-null `q`.
 template <class Coarse>
-void pick_contenders(const Coarse& coarse, cpu_isa isa, std::uint32_t h,
-                     std::span<const std::uint32_t> entries, const float* q, std::uint32_t n,
-                     std::uint32_t c, contender_scratch& s) {
+void contender_bounds(const Coarse& coarse, std::uint32_t h, std::span<const std::uint32_t> entries,
+                      const float* q, std::uint32_t n, std::vector<float>& scores, float* bound) {
   constexpr float inf = std::numeric_limits<float>::infinity();
   const auto m = static_cast<std::uint32_t>(entries.size());
-  s.coarse.resize(std::size_t{m} * n);
-  s.bound.resize(m);
+  scores.resize(std::size_t{m} * n);
   if constexpr (row_scoring_summary<Coarse>) {
-    coarse.score_rows(h, entries, q, n, s.coarse.data());
-    std::copy_n(s.coarse.data(), m, s.bound.data());
+    coarse.score_rows(h, entries, q, n, scores.data());
+    std::copy_n(scores.data(), m, bound);
     for (std::uint32_t r = 1; r < n; ++r) {
-      const float* row = s.coarse.data() + std::size_t{r} * m;
+      const float* row = scores.data() + std::size_t{r} * m;
       for (std::uint32_t i = 0; i < m; ++i) {
-        s.bound[i] = std::max(s.bound[i], row[i]);
+        bound[i] = std::max(bound[i], row[i]);
       }
     }
     for (std::uint32_t r = 0; r < n; ++r) {  // NaN (rare): a max would drop it
-      const float* row = s.coarse.data() + std::size_t{r} * m;
+      const float* row = scores.data() + std::size_t{r} * m;
       for (std::uint32_t i = 0; i < m; ++i) {
-        s.bound[i] = std::isnan(row[i]) ? inf : s.bound[i];
+        bound[i] = std::isnan(row[i]) ? inf : bound[i];
       }
     }
   } else {
-    coarse.score(h, entries, q, n, s.coarse.data());
+    coarse.score(h, entries, q, n, scores.data());
     for (std::uint32_t i = 0; i < m; ++i) {
-      const float* e = s.coarse.data() + std::size_t{i} * n;
+      const float* e = scores.data() + std::size_t{i} * n;
       float b = -inf;
       for (std::uint32_t r = 0; r < n; ++r) {
         b = std::isnan(e[r]) ? inf : std::max(b, e[r]);
       }
-      s.bound[i] = b;
+      bound[i] = b;
     }
   }
+}
+
+//! @brief Leaves in `s.picked` / `s.ids` the `c` of `entries` with the highest `bound` (ties to
+//! the earlier entry), ascending. Needs `0 < c < entries.size()`.
+inline void keep_contenders(cpu_isa isa, std::span<const std::uint32_t> entries, const float* bound,
+                            std::uint32_t c, contender_scratch& s) {
   s.picked.clear();
-  cpu::detail::keep_top(isa, s.bound.data(), m, c, 0, s.ranked, s.pool, s.picked);
+  cpu::detail::keep_top(isa, bound, static_cast<std::uint32_t>(entries.size()), c, 0, s.ranked,
+                        s.pool, s.picked);
   s.ids.resize(s.picked.size());
   for (std::size_t j = 0; j < s.picked.size(); ++j) {
     s.ids[j] = entries[s.picked[j]];
   }
+}
+
+//! @brief Both stages of the pick: `contender_bounds` over every entry into `s.bound`, then
+//! `keep_contenders`. Needs `0 < c < entries.size()`, `n > 0` and non-null `q`.
+template <class Coarse>
+void pick_contenders(const Coarse& coarse, cpu_isa isa, std::uint32_t h,
+                     std::span<const std::uint32_t> entries, const float* q, std::uint32_t n,
+                     std::uint32_t c, contender_scratch& s) {
+  s.bound.resize(entries.size());
+  contender_bounds(coarse, h, entries, q, n, s.coarse, s.bound.data());
+  keep_contenders(isa, entries, s.bound.data(), c, s);
 }
 
 }  // namespace detail
@@ -283,6 +299,37 @@ class cascade_summary {
     fine_.score_rows(h, entries, q, n, out);
   }
 
+  //! @brief Stage 1 alone (`split_two_stage_summary`): `bound[i]` is `Coarse`'s score of
+  //! `entries[i]` folded over the `n` rows (the maximum; NaN as `+inf`).
+  void score_bounds(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                    std::uint32_t n, float* bound) const {
+    if (entries.empty() || n == 0) {
+      return;
+    }
+    if (q == nullptr || bound == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "cascade_summary::score_bounds: null query or output");
+    }
+    thread_local std::vector<float> scores;
+    detail::contender_bounds(coarse_, h, entries, q, n, scores, bound);
+  }
+
+  //! @brief Stage 2 alone (`split_two_stage_summary`): `Fine`'s scores of `entries`, in the
+  //! layout and units of `score_two_stage` (`scale` as there).
+  void score_fine(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, float scale, float* out) const {
+    if (!(scale >= 0.0f) || !std::isfinite(scale)) [[unlikely]] {
+      detail::raise(errc::invalid_argument, "cascade_summary::score_fine: scale = ", scale,
+                    " must be finite and >= 0");
+    }
+    if constexpr (log_mass_summary<Fine>) {
+      if (scale > 0.0f) {
+        fine_.score_log_mass(h, entries, q, n, scale, out);
+        return;
+      }
+    }
+    fine_.score(h, entries, q, n, out);
+  }
+
   //! @brief The two-stage scores (see the class comment and `two_stage_summary`):
   //! `out[i * n + r]` is `Fine`'s score of `entries[i]` for row `r` if the entry is among the
   //! `contenders(entries.size(), keep_blocks)` highest `Coarse` bounds, else `-inf`. `scale == 0`:
@@ -331,17 +378,6 @@ class cascade_summary {
     } else {
       return S(layout, capacity);
     }
-  }
-
-  void score_fine(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
-                  std::uint32_t n, float scale, float* out) const {
-    if constexpr (log_mass_summary<Fine>) {
-      if (scale > 0.0f) {
-        fine_.score_log_mass(h, entries, q, n, scale, out);
-        return;
-      }
-    }
-    fine_.score(h, entries, q, n, out);
   }
 
   cascade_params params_;

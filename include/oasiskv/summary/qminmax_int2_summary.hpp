@@ -272,6 +272,32 @@ class qminmax_int2_summary {
     }
   }
 
+  //! @brief Stage 1 alone (`split_two_stage_summary`): `bound[i]` is the int8 bound of
+  //! `entries[i]` folded over the `n` rows (the maximum; NaN as `+inf`).
+  void score_bounds(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                    std::uint32_t n, float* bound) const {
+    if (entries.empty() || n == 0) {
+      return;
+    }
+    if (q == nullptr || bound == nullptr) [[unlikely]] {
+      detail::raise(errc::invalid_argument, name, "::score_bounds: null query or output");
+    }
+    thread_local std::vector<float> scores;
+    detail::contender_bounds(bounds_, h, entries, q, n, scores, bound);
+  }
+
+  //! @brief Stage 2 alone (`split_two_stage_summary`): the codes' scores of `entries`, `score`
+  //! (`scale == 0`) or `score_log_mass` (`scale > 0`). `errc::invalid_argument` naming `scale`
+  //! unless it is finite and >= 0.
+  void score_fine(std::uint32_t h, std::span<const std::uint32_t> entries, const float* q,
+                  std::uint32_t n, float scale, float* out) const {
+    if (!(scale >= 0.0f) || !std::isfinite(scale)) [[unlikely]] {
+      detail::raise(errc::invalid_argument, name, "::score_fine: scale = ", scale,
+                    " must be finite and >= 0");
+    }
+    run(h, entries, q, n, scale, out, "score_fine");
+  }
+
  private:
   // The keys of an entry not yet full: [heads][tokens_per_block][head_dim] f32, and which
   // tokens are present.
