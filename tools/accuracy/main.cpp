@@ -15,12 +15,14 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <span>
 #include <sstream>
 
 #include <mini_decoder/decode/decoder.hpp>
 #include <mini_decoder/io/error.hpp>
 
 #include "evaluator.hpp"
+#include "kl.hpp"
 #include "runner.hpp"
 #include "tasks.hpp"
 
@@ -50,6 +52,33 @@ std::vector<int> sampled_text(const mini_decoder::model& m, std::uint32_t want, 
     out.insert(out.end(), g.begin(), g.end());
   }
   return out;
+}
+
+using rows_type = std::map<std::string, std::map<std::string, double>>;
+
+// JSON has no NaN or infinity: a figure that is not finite (a KL over a NaN logit, say) is
+// written as null, so that the file stays readable and the figure cannot pass for a number.
+void write_rows(std::ostream& js, const rows_type& rows, const char* indent) {
+  bool first = true;
+  for (const auto& [name, row] : rows) {
+    js << (first ? "" : ",\n") << indent << "\"" << name << "\": {";
+    bool f2 = true;
+    for (const auto& [k, v] : row) {
+      js << (f2 ? "" : ", ") << "\"" << k
+         << "\": " << (std::isfinite(v) ? fmt::format("{:.6g}", v) : std::string("null"));
+      f2 = false;
+    }
+    js << "}";
+    first = false;
+  }
+}
+
+// The KL figures of one text (greedy continuation: no suffix; held-out: "_held_out").
+void put_kl(std::map<std::string, double>& row, const accuracy::kl_summary& k,
+            const std::string& suffix) {
+  row["kl_mean" + suffix] = k.mean;
+  row["kl_p90" + suffix] = k.p90;
+  row["kl_max" + suffix] = k.max;
 }
 
 }  // namespace
@@ -167,17 +196,46 @@ int main(int argc, char** argv) {
                          "]");
     }
     accuracy::runner r(*m, rope_scale, context, draft_len, drafter == "self" ? draft_layers : 0);
+    const std::size_t V = c.vocab_size;
+    // The dense logits that every sparse configuration's KL compares with, one copy per text:
+    // the greedy run's at the positions agreement scores (it is the dense run teacher-forced on
+    // its own continuation: the same steps) and the held-out run's; [position][vocab], 100 MB
+    // at 512 positions of SmolLM2's 49,152 tokens. Logits, not log-probabilities: both sides
+    // then go through the same log-sum-exp, and identical logits give a KL of exactly 0.
+    // Reserved whole, so that growing never holds two copies.
+    std::vector<float> dense_greedy_logits, dense_ho_logits;
+    const auto keep = [V](std::vector<float>& dst, std::size_t positions) {
+      dst.clear();
+      dst.reserve(positions * V);
+      return [&dst, positions, V](std::uint32_t i, const float* lg) {
+        if (i < positions) {
+          dst.resize(std::max(dst.size(), (std::size_t{i} + 1) * V));
+          std::copy(lg, lg + V, dst.begin() + static_cast<std::ptrdiff_t>(i * V));
+        }
+      };
+    };
+    // KL(dense || sparse) at step i against `dense` (positions it holds; the others unscored).
+    const auto kl_into = [V](const std::vector<float>& dense, std::vector<double>& out) {
+      return [&dense, &out, V](std::uint32_t i, const float* lg) {
+        if ((std::size_t{i} + 1) * V <= dense.size()) {
+          out.push_back(
+              accuracy::kl_divergence(std::span<const float>(dense.data() + std::size_t{i} * V, V),
+                                      std::span<const float>(lg, V)));
+        }
+      };
+    };
     r.prefill(prompt);
     fmt::print(stderr, "prefill {:.1f} s\n", since(t0));
     accuracy::evaluator ev({c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, context}, blocks,
                            budgets, seed);
     auto t1 = clock_type::now();
-    const accuracy::run_result greedy = r.dense_greedy(tokens, &ev, eval_every);
+    const accuracy::run_result greedy =
+        r.dense_greedy(tokens, &ev, eval_every, keep(dense_greedy_logits, tokens - 1));
     fmt::print(stderr, "dense greedy + evaluation ({} samples) {:.1f} s\n", ev.samples(),
                since(t1));
     const double acceptance = greedy.drafted ? double(greedy.accepted) / greedy.drafted : 0.0;
 
-    std::map<std::string, std::map<std::string, double>> results;
+    rows_type results;
     for (const accuracy::eval_config& e : ev.configs()) {
       const auto& s = e.sums;
       if (s.n == 0) {  // not evaluated (e.g. --eval-every past the run): missing, not zero
@@ -193,9 +251,10 @@ int main(int argc, char** argv) {
       row["samples"] = static_cast<double>(s.n);
     }
     // End to end: teacher-forced on the dense greedy continuation (agreement) and on the
-    // held-out text (perplexity).
+    // held-out text (perplexity); KL against the dense run's distributions on both.
     t1 = clock_type::now();
-    const accuracy::run_result dense_ho = r.forced(held_out, nullptr);
+    const accuracy::run_result dense_ho =
+        r.forced(held_out, nullptr, keep(dense_ho_logits, held_out.size() - 1));
     const double ppl_dense = std::exp(dense_ho.nll / std::max(dense_ho.scored, 1u));
     results["e2e/dense"] = {{"ppl", ppl_dense},
                             {"acceptance_greedy", acceptance},
@@ -206,8 +265,10 @@ int main(int argc, char** argv) {
       accuracy::sparse_config sc = accuracy::parse_sparse_config(spec, contender_factor);
       sc.block = blocks.front();
       t1 = clock_type::now();
-      const accuracy::run_result sg = r.forced(greedy.tokens, &sc);
-      const accuracy::run_result sh = r.forced(held_out, &sc);
+      std::vector<double> klg, klh;
+      const accuracy::run_result sg =
+          r.forced(greedy.tokens, &sc, kl_into(dense_greedy_logits, klg));
+      const accuracy::run_result sh = r.forced(held_out, &sc, kl_into(dense_ho_logits, klh));
       std::uint32_t agree = 0, agree_ho = 0;
       for (std::size_t i = 0; i + 1 < greedy.tokens.size(); ++i) {
         agree += sg.argmax[i] == greedy.tokens[i + 1] ? 1u : 0u;
@@ -231,11 +292,19 @@ int main(int argc, char** argv) {
       row["mean_blocks_held_out"] =
           sh.selections ? double(sh.selected_blocks) / sh.selections : 0.0;
       row["target_mass"] = sc.target_mass;
+      // KL(dense || sparse) of the next-token distributions at the positions agreement scores:
+      // it sees every change of the distribution, not only those that flip an argmax.
+      const accuracy::kl_summary kg = accuracy::summarize_kl(klg);
+      const accuracy::kl_summary kh = accuracy::summarize_kl(klh);
+      put_kl(row, kg, "");
+      put_kl(row, kh, "_held_out");
       fmt::print(stderr,
                  "e2e {}: agreement {:.4f} (held-out {:.4f}), ppl {:.3f} vs dense {:.3f}, "
-                 "churn {:.4f}, mean blocks {:.2f} (held-out {:.2f}) ({:.1f} s)\n",
+                 "churn {:.4f}, mean blocks {:.2f} (held-out {:.2f}), KL mean {:.4g} p90 {:.4g} "
+                 "max {:.4g} (held-out {:.4g} {:.4g} {:.4g}) ({:.1f} s)\n",
                  sc.name(), row["agreement"], row["agreement_held_out"], ppl, ppl_dense,
-                 row["churn"], row["mean_blocks"], row["mean_blocks_held_out"], since(t1));
+                 row["churn"], row["mean_blocks"], row["mean_blocks_held_out"], kg.mean, kg.p90,
+                 kg.max, kh.mean, kh.p90, kh.max, since(t1));
     }
 
     fmt::print("{:<44} {:>9} {:>10} {:>10} {:>7} {:>10} {:>8}\n", "config", "agree_all",
@@ -264,17 +333,7 @@ int main(int argc, char** argv) {
          << "\", \"draft_layers\": " << (drafter == "self" ? draft_layers : 0)
          << ", \"draft_len\": " << draft_len << ", \"eval_every\": " << eval_every
          << ",\n  \"results\": {\n";
-      bool first = true;
-      for (const auto& [name, row] : results) {
-        js << (first ? "" : ",\n") << "    \"" << name << "\": {";
-        bool f2 = true;
-        for (const auto& [k, v] : row) {
-          js << (f2 ? "" : ", ") << "\"" << k << "\": " << fmt::format("{:.6g}", v);
-          f2 = false;
-        }
-        js << "}";
-        first = false;
-      }
+      write_rows(js, results, "    ");
       js << "\n  }\n}\n";
     }
     int failed = 0;
