@@ -274,12 +274,14 @@ void runner::prefill(const std::vector<int>& prompt) {
       first_logits_.data());
 }
 
-run_result runner::dense_greedy(std::uint32_t n, evaluator* ev, std::uint32_t eval_every) {
-  return loop(nullptr, n, nullptr, ev, std::max(eval_every, 1u));
+run_result runner::dense_greedy(std::uint32_t n, evaluator* ev, std::uint32_t eval_every,
+                                const logits_fn& on_logits) {
+  return loop(nullptr, n, nullptr, ev, std::max(eval_every, 1u), on_logits);
 }
 
-run_result runner::forced(const std::vector<int>& teacher, const sparse_config* sparse) {
-  return loop(&teacher, static_cast<std::uint32_t>(teacher.size()), sparse, nullptr, 1);
+run_result runner::forced(const std::vector<int>& teacher, const sparse_config* sparse,
+                          const logits_fn& on_logits) {
+  return loop(&teacher, static_cast<std::uint32_t>(teacher.size()), sparse, nullptr, 1, on_logits);
 }
 
 run_result runner::greedy(std::uint32_t n, const sparse_config* sparse, bool reversed) {
@@ -290,7 +292,8 @@ run_result runner::greedy(std::uint32_t n, const sparse_config* sparse, bool rev
 }
 
 run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
-                        const sparse_config* sparse, evaluator* ev, std::uint32_t eval_every) {
+                        const sparse_config* sparse, evaluator* ev, std::uint32_t eval_every,
+                        const logits_fn& on_logits) {
   const mini_decoder::model_config& c = m_.config;
   const std::uint32_t L = c.num_layers, H = c.num_heads, D = c.head_dim;
   const std::uint32_t G = H / c.num_kv_heads, qd = H * D, V = c.vocab_size;
@@ -566,6 +569,9 @@ run_result runner::loop(const std::vector<int>* teacher, std::uint32_t n,
     };
     tf_.step(batch.data(), static_cast<std::uint32_t>(batch.size()), pos, L, attend, logits.data());
     const int a = mini_decoder::argmax(logits.data(), V);
+    if (on_logits) {
+      on_logits(i, logits.data());
+    }
     if ((i + 1) % 64 == 0) {  // a long run on a loaded machine should show it is alive
       std::fprintf(stderr, "  step %u/%u\n", i + 1, n);
     }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,10 @@ struct run_result {
   std::uint64_t selected_blocks = 0, selections = 0;
 };
 
+//! Called once per step of a run with the step's index and the logits of its committed token
+//! (`[vocab]`: the next-token distribution the step scores), valid during the call only.
+using logits_fn = std::function<void(std::uint32_t step, const float* logits)>;
+
 class runner {
  public:
   //! `draft_layers` 0: n-gram drafts (prompt lookup); else self-speculative drafts, greedy
@@ -77,11 +82,13 @@ class runner {
   //! Dense prefill of `prompt`, kept for every later run.
   void prefill(const std::vector<int>& prompt);
   //! Dense greedy decoding of `n` tokens; when `ev` is set, every `eval_every`-th step is
-  //! evaluated (all layers) before its attention.
-  run_result dense_greedy(std::uint32_t n, evaluator* ev, std::uint32_t eval_every);
+  //! evaluated (all layers) before its attention. `on_logits`, when set, sees every step's.
+  run_result dense_greedy(std::uint32_t n, evaluator* ev, std::uint32_t eval_every,
+                          const logits_fn& on_logits = {});
   //! Teacher-forced: commits `teacher[i]` at step i, scores the model's prediction of
-  //! `teacher[i+1]`. `sparse` null: dense attention.
-  run_result forced(const std::vector<int>& teacher, const sparse_config* sparse);
+  //! `teacher[i+1]`. `sparse` null: dense attention. `on_logits`, when set, sees every step's.
+  run_result forced(const std::vector<int>& teacher, const sparse_config* sparse,
+                    const logits_fn& on_logits = {});
   //! Free-running greedy decoding of `n` tokens, dense (`sparse` null) or with block-sparse
   //! attention in the loop. `reversed`: dense attention over the blocks in reverse order (the
   //! same keys, another summation order): a noise baseline for the dense run.
@@ -91,7 +98,7 @@ class runner {
  private:
   struct sparse_state;
   run_result loop(const std::vector<int>* teacher, std::uint32_t n, const sparse_config* sparse,
-                  evaluator* ev, std::uint32_t eval_every);
+                  evaluator* ev, std::uint32_t eval_every, const logits_fn& on_logits = {});
   std::vector<int> self_draft(std::vector<std::vector<float>>& K,
                               std::vector<std::vector<float>>& V, int x, std::uint32_t pos,
                               std::uint32_t g);
