@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "oasiskv/concepts/importance_predictor.hpp"
+#include "oasiskv/cpu/loop_runner.hpp"
 #include "oasiskv/cpu/thread_pool.hpp"
 #include "oasiskv/predictor/current_query_predictor.hpp"
 #include "oasiskv/predictor/lookahead_predictor.hpp"
@@ -1003,6 +1004,43 @@ TEST_CASE_TEMPLATE("summary-scoring predictors: KV heads scored on a pool select
       CHECK(a.offsets == b.offsets);
       CHECK(a.blocks == b.blocks);
     }
+  }
+}
+
+// A `cpu::loop_runner` of someone else's threads, as an engine lends them: it claims 3 threads
+// and runs the items on the caller, last to first (the order a loop's items run in must not
+// matter).
+class reversed_runner final : public cpu::loop_runner {
+ public:
+  unsigned size() const noexcept override { return 3; }
+  void run(std::size_t n, void (*fn)(void* ctx, std::size_t i), void* ctx) override {
+    ++loops;
+    for (std::size_t i = n; i-- > 0;) {
+      fn(ctx, i);
+    }
+  }
+  int loops = 0;
+};
+
+TEST_CASE_TEMPLATE("summary-scoring predictors: any loop_runner selects the same blocks", S,
+                   minmax_summary<>, qminmax_int2_summary, qminmax_int4_cascade) {
+  // 1 and 4 KV heads (a two-stage summary's single head is scored in ranges), 4 lookahead tokens.
+  for (const std::uint32_t kv : {1u, 4u}) {
+    const kv_layout l{1, 2 * kv, kv, 64, 16, dtype::f16};
+    world<S> w(l, 3000, 4, 71 + kv);
+    const selection_params sp{12, 1, 2};
+    lookahead_predictor<S> serial, lent;
+    reversed_runner runner;
+    lent.set_thread_pool(&runner);
+    CHECK(lent.thread_pool() == &runner);
+    selection a, b;
+    serial.select(w.input(), sp, a);
+    lent.select(w.input(), sp, b);
+    CAPTURE(kv);
+    const bool used = runner.loops > 0;
+    CHECK(used == (kv > 1 || split_two_stage_summary<S>));
+    CHECK(a.offsets == b.offsets);
+    CHECK(a.blocks == b.blocks);
   }
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "oasiskv/core/error.hpp"
+#include "oasiskv/cpu/loop_runner.hpp"
 
 namespace oasiskv::cpu {
 
@@ -35,7 +36,7 @@ namespace oasiskv::cpu {
 //! themselves. The first exception thrown by `f` is rethrown to the caller (the remaining indices
 //! still run, so no item is half-skipped silently). Calls from several threads are serialised; a
 //! call from inside `f` runs inline on the calling worker instead of deadlocking.
-class thread_pool {
+class thread_pool final : public loop_runner {
  public:
   //! @brief A pool of `threads` threads in all (the caller included): 1 means run inline.
   //! `spin`: how long an idle thread polls for the next loop before it sleeps (0: never spin).
@@ -70,7 +71,12 @@ class thread_pool {
   }
 
   //! @brief Threads that run a loop, the caller included.
-  unsigned size() const noexcept { return static_cast<unsigned>(workers_.size()) + 1; }
+  unsigned size() const noexcept override { return static_cast<unsigned>(workers_.size()) + 1; }
+
+  //! @brief `parallel_for` through a function pointer (`loop_runner`).
+  void run(std::size_t n, void (*fn)(void* ctx, std::size_t i), void* ctx) override {
+    parallel_for(n, [fn, ctx](std::size_t i) { fn(ctx, i); });
+  }
 
   static constexpr unsigned max_threads = 1024;
 

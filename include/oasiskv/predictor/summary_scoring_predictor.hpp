@@ -21,7 +21,7 @@
 #include "oasiskv/concepts/two_stage_summary.hpp"
 #include "oasiskv/core/error.hpp"
 #include "oasiskv/core/selection.hpp"
-#include "oasiskv/cpu/thread_pool.hpp"
+#include "oasiskv/cpu/loop_runner.hpp"
 #include "oasiskv/cpu/top_k.hpp"
 #include "oasiskv/predictor/aggregation.hpp"
 #include "oasiskv/predictor/block_selector.hpp"
@@ -40,13 +40,15 @@ class summary_scoring_predictor {
   using granularity_type = Granularity;
 
   //! @brief Scores the KV heads of each `select` in parallel on `pool` (their scoring is most of
-  //! a two-stage summary's time); null, or a pool of one thread, scores them in turn on the
-  //! calling thread. The aggregation folds the heads in order either way, so the selection is the
-  //! same. The pool must outlive the predictor's use of it; `select` from inside one of the
-  //! pool's loops runs inline (`cpu::thread_pool`).
-  void set_thread_pool(cpu::thread_pool* pool) noexcept { pool_ = pool; }
+  //! a two-stage summary's time; with fewer heads than twice the pool's threads, a two-stage
+  //! summary's heads are scored in ranges of blocks); null, or one thread, scores them in turn on
+  //! the calling thread. The aggregation folds the heads in order either way, so the selection is
+  //! the same. `pool` is a `cpu::thread_pool` or any `cpu::loop_runner` (an engine's threads lent
+  //! for the call); it must outlive the predictor's use of it. `select` from inside one of a
+  //! `cpu::thread_pool`'s loops runs inline.
+  void set_thread_pool(cpu::loop_runner* pool) noexcept { pool_ = pool; }
   //! @brief The pool `set_thread_pool` gave, or null.
-  cpu::thread_pool* thread_pool() const noexcept { return pool_; }
+  cpu::loop_runner* thread_pool() const noexcept { return pool_; }
 
   void select(const prediction_input<Summary>& in, const selection_params& sp, selection& out) {
     selection* const one[1] = {&out};
@@ -393,7 +395,7 @@ class summary_scoring_predictor {
   block_selector selector_;
   std::vector<item_scratch> items_;
   cpu_isa isa_ = resolve_isa(cpu_isa::best);  // score_split's top-k (every path keeps the same)
-  cpu::thread_pool* pool_ = nullptr;
+  cpu::loop_runner* pool_ = nullptr;
 };
 
 }  // namespace detail

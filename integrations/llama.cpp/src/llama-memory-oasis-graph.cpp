@@ -245,7 +245,8 @@ void llama_memory_oasis::op_decode(ggml_tensor* dst, int ith, int nth, void* use
                       q_row * sizeof(float));
         }
       }
-      mem.cache->lookahead(mem.hbuf.data(), n, op.layer, mem.qbuf.data(), (uint32_t)q_len);
+      mem.cache->lookahead(mem.hbuf.data(), n, op.layer, mem.qbuf.data(), (uint32_t)q_len,
+                           nth > 1 ? &mem.team : nullptr);
     }
 
     if (op.layer + 1 == mem.n_layer) {
@@ -284,7 +285,7 @@ void llama_memory_oasis::op_store(ggml_tensor* dst, int ith, int nth, void* user
       for (size_t j = 0; j < n; ++j) {
         mem.rows_f32(q, t.own[t.own.size() - n + j], op.q_factor, mem.qbuf.data() + j * q_row);
       }
-      mem.cache->lookahead(&t.h, 1, op.layer, mem.qbuf.data(), (uint32_t)n);
+      mem.cache->lookahead(&t.h, 1, op.layer, mem.qbuf.data(), (uint32_t)n, nullptr);
     }
 
     if (op.layer + 1 == mem.n_layer) {

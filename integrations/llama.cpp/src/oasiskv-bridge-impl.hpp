@@ -25,6 +25,25 @@ namespace oasiskv_bridge::detail {
 //! single-threaded kernel, and the partial results merged by log-sum-exp (exact up to f32
 //! rounding). Without a team, or for tables too short to share, the caller runs the kernel
 //! alone. The engine's threads do the work, so no thread of OasisKV's own competes with them.
+//! @brief A `team` as the `cpu::loop_runner` a predictor scores on.
+class team_runner final : public oasiskv::cpu::loop_runner {
+ public:
+  explicit team_runner(team* t) : team_(t) {}
+  unsigned size() const noexcept override { return team_ != nullptr ? team_->size() : 1u; }
+  void run(std::size_t n, void (*fn)(void* ctx, std::size_t i), void* ctx) override {
+    if (team_ == nullptr) {
+      for (std::size_t i = 0; i < n; ++i) {
+        fn(ctx, i);
+      }
+      return;
+    }
+    team_->run(n, fn, ctx);
+  }
+
+ private:
+  team* team_;
+};
+
 class team_decode {
  public:
   //! @brief The fewest blocks a thread's range of one table holds.
@@ -158,7 +177,21 @@ class cache_impl final : public cache {
     cache_.append(ids(seqs, n_seqs), layer, k, v, n);
   }
   void lookahead(const seq_t* seqs, std::uint32_t n_seqs, std::uint32_t layer, const float* q,
-                 std::uint32_t q_len) override {
+                 std::uint32_t q_len, team* t) override {
+    // The predictor scores on the engine's threads of this operation, lent for the call.
+    team_runner runner(t);
+    auto& predictor = cache_.predictor();
+    if constexpr (requires { predictor.set_thread_pool(&runner); }) {
+      predictor.set_thread_pool(t != nullptr && t->size() > 1 ? &runner : nullptr);
+    }
+    struct reset {
+      decltype(predictor)& p;
+      ~reset() {
+        if constexpr (requires { p.set_thread_pool(nullptr); }) {
+          p.set_thread_pool(nullptr);
+        }
+      }
+    } done{predictor};
     cache_.lookahead(ids(seqs, n_seqs), layer, q, q_len);
   }
   void attend(const seq_t* seqs, std::uint32_t n_seqs, std::uint32_t layer, const float* q,

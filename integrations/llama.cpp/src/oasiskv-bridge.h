@@ -86,9 +86,10 @@ class cache {
   virtual void append(const seq_t* seqs, std::uint32_t n_seqs, std::uint32_t layer, const void* k,
                       const void* v, std::uint32_t n) = 0;
   //! @brief Predicts the next step's blocks of `seqs` in `layer` from `q`
-  //! (`[n_seqs][q_len][q_heads][head_dim]`) and starts staging them.
+  //! (`[n_seqs][q_len][q_heads][head_dim]`) and starts staging them. The predictor scores over
+  //! `t`'s threads (null: the calling thread alone).
   virtual void lookahead(const seq_t* seqs, std::uint32_t n_seqs, std::uint32_t layer,
-                         const float* q, std::uint32_t q_len) = 0;
+                         const float* q, std::uint32_t q_len, team* t) = 0;
   //! @brief Attention of the last `q_len` tokens of each of `seqs` in `layer` over the blocks
   //! selected for them: `q`, `out` are `[n_seqs][q_len][q_heads][head_dim]`. The kernel splits
   //! the blocks over `t`'s threads (null: the calling thread alone).
