@@ -255,11 +255,43 @@ OASISKV_DEVICE void accumulate_tokens(const float (&q)[Rows][decode_shape<T, D, 
   }
 }
 
+//! @brief A CTA of the split decode kernels and one of its threads: the sequence (grid z), the
+//! KV head and first query row (grid y), the split (grid x) and its range `[e0, e1)` of the
+//! table's entries, and the thread's lane group. Flags `status_short_seq` for a sequence shorter
+//! than its query tokens.
+template <class S, int Rows>
+struct split_cta {
+  std::uint32_t seq, kvh, row0, split, tpb, len, nblocks, first, e0, e1;
+  int warp, sub, lin, g_id;
+
+  __device__ explicit split_cta(const decode_kernel_args& a)
+      : seq(blockIdx.z),
+        kvh(blockIdx.y / a.row_chunks),
+        row0((blockIdx.y % a.row_chunks) * Rows),
+        split(blockIdx.x),
+        tpb(a.p.pool.layout.tokens_per_block),
+        len(a.p.seq_lens[seq]),
+        nblocks((len + tpb - 1) / tpb) {
+    const std::uint32_t table = a.p.table.table_index(seq, kvh);
+    first = a.p.table.offsets[table];
+    const std::uint32_t n = a.p.table.offsets[table + 1] - first;
+    e0 = static_cast<std::uint32_t>(std::uint64_t{n} * split / a.splits);
+    e1 = static_cast<std::uint32_t>(std::uint64_t{n} * (split + 1) / a.splits);
+    const int lane = static_cast<int>(threadIdx.x & 31u);
+    warp = static_cast<int>(threadIdx.x >> 5);
+    sub = lane / S::lanes;
+    lin = lane % S::lanes;
+    g_id = warp * S::groups_per_warp + sub;
+    if (len < a.p.q_len && threadIdx.x == 0) {
+      atomicOr(a.status, status_short_seq);
+    }
+  }
+};
+
 template <class T, int D, int Rows>
 __global__ void __launch_bounds__(128) decode_split_kernel(const decode_kernel_args a) {
   using S = decode_shape<T, D, Rows>;
   constexpr int V = S::vec;
-  constexpr int L = S::lanes;
   constexpr int U = S::unroll;
   __shared__ float sm_m[S::groups][Rows];
   __shared__ float sm_l[S::groups][Rows];
@@ -267,27 +299,10 @@ __global__ void __launch_bounds__(128) decode_split_kernel(const decode_kernel_a
 
   const decode_params& p = a.p;
   const kv_layout& lay = p.pool.layout;
-  const std::uint32_t seq = blockIdx.z;
-  const std::uint32_t kvh = blockIdx.y / a.row_chunks;
-  const std::uint32_t row0 = (blockIdx.y % a.row_chunks) * Rows;
-  const std::uint32_t split = blockIdx.x;
-  const std::uint32_t tpb = lay.tokens_per_block;
-  const std::uint32_t len = p.seq_lens[seq];
-  const std::uint32_t nblocks = (len + tpb - 1) / tpb;
-  const std::uint32_t table = p.table.table_index(seq, kvh);
-  const std::uint32_t first = p.table.offsets[table];
-  const std::uint32_t n = p.table.offsets[table + 1] - first;
-  const auto e0 = static_cast<std::uint32_t>(std::uint64_t{n} * split / a.splits);
-  const auto e1 = static_cast<std::uint32_t>(std::uint64_t{n} * (split + 1) / a.splits);
-
-  const int lane = static_cast<int>(threadIdx.x & 31u);
-  const int warp = static_cast<int>(threadIdx.x >> 5);
-  const int sub = lane / L;
-  const int lin = lane % L;
-  const int g_id = warp * S::groups_per_warp + sub;
-  if (len < p.q_len && threadIdx.x == 0) {
-    atomicOr(a.status, status_short_seq);
-  }
+  const split_cta<S, Rows> c(a);
+  const std::uint32_t seq = c.seq, kvh = c.kvh, row0 = c.row0, split = c.split, tpb = c.tpb,
+                      len = c.len, nblocks = c.nblocks, first = c.first, e0 = c.e0, e1 = c.e1;
+  const int warp = c.warp, sub = c.sub, lin = c.lin, g_id = c.g_id;
 
   float q[Rows][V];
   std::uint32_t qpos[Rows];
@@ -370,7 +385,6 @@ __global__ void __launch_bounds__(128) decode_pipelined_kernel(const decode_kern
   using S = decode_shape<T, D, Rows>;
   using P = pipeline_shape<T, D, Rows>;
   constexpr int V = S::vec;
-  constexpr int L = S::lanes;
   constexpr int U = S::unroll;
   __shared__ __align__(16) unsigned char sm_data[P::bytes];
   __shared__ float sm_m[S::groups][Rows];
@@ -380,27 +394,10 @@ __global__ void __launch_bounds__(128) decode_pipelined_kernel(const decode_kern
 
   const decode_params& p = a.p;
   const kv_layout& lay = p.pool.layout;
-  const std::uint32_t seq = blockIdx.z;
-  const std::uint32_t kvh = blockIdx.y / a.row_chunks;
-  const std::uint32_t row0 = (blockIdx.y % a.row_chunks) * Rows;
-  const std::uint32_t split = blockIdx.x;
-  const std::uint32_t tpb = lay.tokens_per_block;
-  const std::uint32_t len = p.seq_lens[seq];
-  const std::uint32_t nblocks = (len + tpb - 1) / tpb;
-  const std::uint32_t table = p.table.table_index(seq, kvh);
-  const std::uint32_t first = p.table.offsets[table];
-  const std::uint32_t n = p.table.offsets[table + 1] - first;
-  const auto e0 = static_cast<std::uint32_t>(std::uint64_t{n} * split / a.splits);
-  const auto e1 = static_cast<std::uint32_t>(std::uint64_t{n} * (split + 1) / a.splits);
-
-  const int lane = static_cast<int>(threadIdx.x & 31u);
-  const int warp = static_cast<int>(threadIdx.x >> 5);
-  const int sub = lane / L;
-  const int lin = lane % L;
-  const int g_id = warp * S::groups_per_warp + sub;
-  if (len < p.q_len && threadIdx.x == 0) {
-    atomicOr(a.status, status_short_seq);
-  }
+  const split_cta<S, Rows> c(a);
+  const std::uint32_t seq = c.seq, kvh = c.kvh, row0 = c.row0, split = c.split, tpb = c.tpb,
+                      len = c.len, nblocks = c.nblocks, first = c.first, e0 = c.e0, e1 = c.e1;
+  const int lin = c.lin, g_id = c.g_id;
   float q[Rows][V];
   std::uint32_t qpos[Rows];
   float m[Rows], l[Rows], acc[Rows][V];
