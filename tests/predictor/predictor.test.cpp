@@ -972,6 +972,21 @@ TEST_CASE_TEMPLATE("importance predictor: target_mass 0 is the fixed budget; ada
   }
 }
 
+// Predictor P on `runner` selects what P alone selects from `in`; returns the selection.
+template <class P, class S>
+selection same_on_pool(cpu::loop_runner& runner, const prediction_input<S>& in,
+                       const selection_params& sp) {
+  P serial, parallel;
+  parallel.set_thread_pool(&runner);
+  selection a, b;
+  serial.select(in, sp, a);
+  parallel.select(in, sp, b);
+  CHECK(a.tables == b.tables);
+  CHECK(a.offsets == b.offsets);
+  CHECK(a.blocks == b.blocks);
+  return a;
+}
+
 TEST_CASE_TEMPLATE("summary-scoring predictors: KV heads scored on a pool select the same blocks",
                    S, minmax_summary<>, qminmax_int2_summary) {
   // 4 KV heads (more than the pool's threads), both granularities, 1 and 4 lookahead tokens:
@@ -994,16 +1009,9 @@ TEST_CASE_TEMPLATE("summary-scoring predictors: KV heads scored on a pool select
         CHECK(a.blocks == b.blocks);
       }
     }
-    {
-      lookahead_predictor<S, softmax_mass_aggregation, per_kv_head_selection> serial, parallel;
-      parallel.set_thread_pool(&pool);
-      selection a, b;
-      serial.select(w.input(), sp, a);
-      parallel.select(w.input(), sp, b);
-      CHECK(a.tables == l.num_kv_heads);
-      CHECK(a.offsets == b.offsets);
-      CHECK(a.blocks == b.blocks);
-    }
+    CHECK(same_on_pool<lookahead_predictor<S, softmax_mass_aggregation, per_kv_head_selection>>(
+              pool, w.input(), sp)
+              .tables == l.num_kv_heads);
   }
 }
 
@@ -1029,18 +1037,11 @@ TEST_CASE_TEMPLATE("summary-scoring predictors: any loop_runner selects the same
     const kv_layout l{1, 2 * kv, kv, 64, 16, dtype::f16};
     world<S> w(l, 3000, 4, 71 + kv);
     const selection_params sp{12, 1, 2};
-    lookahead_predictor<S> serial, lent;
     reversed_runner runner;
-    lent.set_thread_pool(&runner);
-    CHECK(lent.thread_pool() == &runner);
-    selection a, b;
-    serial.select(w.input(), sp, a);
-    lent.select(w.input(), sp, b);
     CAPTURE(kv);
+    same_on_pool<lookahead_predictor<S>>(runner, w.input(), sp);
     const bool used = runner.loops > 0;
     CHECK(used == (kv > 1 || split_two_stage_summary<S>));
-    CHECK(a.offsets == b.offsets);
-    CHECK(a.blocks == b.blocks);
   }
 }
 
@@ -1085,26 +1086,11 @@ TEST_CASE_TEMPLATE("two-stage summaries: a head's blocks scored in ranges select
                                  std::span<selection* const>(outs));
             CHECK(c.blocks == a.blocks);
           }
-          {
-            lookahead_predictor<S, softmax_mass_aggregation, per_kv_head_selection> serial,
-                parallel;
-            parallel.set_thread_pool(&pool);
-            selection a, b;
-            serial.select(w.input(), sp, a);
-            parallel.select(w.input(), sp, b);
-            CHECK(a.tables == kv);
-            CHECK(a.offsets == b.offsets);
-            CHECK(a.blocks == b.blocks);
-          }
-          {
-            lookahead_predictor<S, max_aggregation> serial, parallel;
-            parallel.set_thread_pool(&pool);
-            selection a, b;
-            serial.select(w.input(), sp, a);
-            parallel.select(w.input(), sp, b);
-            CHECK(a.offsets == b.offsets);
-            CHECK(a.blocks == b.blocks);
-          }
+          CHECK(
+              same_on_pool<lookahead_predictor<S, softmax_mass_aggregation, per_kv_head_selection>>(
+                  pool, w.input(), sp)
+                  .tables == kv);
+          same_on_pool<lookahead_predictor<S, max_aggregation>>(pool, w.input(), sp);
         }
       }
     }

@@ -263,47 +263,40 @@ class summary_scoring_predictor {
     const std::size_t pairs = ins.size() * kv_heads;
     const std::size_t segments =
         std::max<std::size_t>(1, (2 * std::size_t{pool_->size()} + pairs - 1) / pairs);
-    const auto live = [&](std::size_t i, std::uint32_t h) {
-      return h < ins[i].layout.num_kv_heads && !covered(i);
+    // One loop on the pool: fn(in, h, hs, m, rows, part) for every part in [0, parts) of every
+    // live (input, KV head) pair; m is the input's blocks, rows its query rows per KV head.
+    const auto each = [&](std::size_t parts, auto&& fn) {
+      pool_->parallel_for(pairs * parts, [&](std::size_t k) {
+        const std::size_t i = k / parts / kv_heads;
+        const auto h = static_cast<std::uint32_t>(k / parts % kv_heads);
+        const prediction_input<Summary>& in = ins[i];
+        if (h < in.layout.num_kv_heads && !covered(i)) {
+          fn(in, h, items_[i].heads[h], static_cast<std::uint32_t>(in.summary_ids.size()),
+             in.queries.num_tokens * in.layout.group_size(), k % parts);
+        }
+      });
     };
-    // The range `seg` of `count` items.
+    // Part `seg` of `count` items: [lo, hi).
     const auto range = [&](std::size_t seg, std::uint32_t count) {
-      const auto lo = static_cast<std::uint32_t>(seg * count / segments);
-      const auto hi = static_cast<std::uint32_t>((seg + 1) * count / segments);
-      return std::pair{lo, hi};
+      return std::pair{static_cast<std::uint32_t>(seg * count / segments),
+                       static_cast<std::uint32_t>((seg + 1) * count / segments)};
     };
     const auto scale_for = [&](const prediction_input<Summary>& in) {
       return mass_aggregation<Aggregation> ? scale_of(in.layout) : 0.0f;
     };
     // 1: each pair's rows and sizes.
-    pool_->parallel_for(pairs, [&](std::size_t k) {
-      const std::size_t i = k / kv_heads;
-      const auto h = static_cast<std::uint32_t>(k % kv_heads);
-      if (!live(i, h)) {
-        return;
-      }
-      const prediction_input<Summary>& in = ins[i];
-      head_scratch& hs = items_[i].heads[h];
+    each(1, [&](const prediction_input<Summary>& in, std::uint32_t h, head_scratch& hs,
+                std::uint32_t m, std::uint32_t rows, std::size_t) {
       gather_group_rows(in.layout, in.queries, h, hs.rows);
-      const auto m = static_cast<std::uint32_t>(in.summary_ids.size());
-      const std::uint32_t rows = in.queries.num_tokens * in.layout.group_size();
       hs.contenders = m == 0 ? 0 : in.summaries->contenders(m, sp.budget_blocks);
       hs.raw.resize(std::size_t{m} * rows);
       hs.by_entry.resize(hs.raw.size());
       hs.bound.resize(hs.contenders < m ? m : 0);
     });
     // 2: the bounds of each range (or, with every entry a contender, its fine scores).
-    pool_->parallel_for(pairs * segments, [&](std::size_t k) {
-      const std::size_t i = k / segments / kv_heads;
-      const auto h = static_cast<std::uint32_t>(k / segments % kv_heads);
-      if (!live(i, h)) {
-        return;
-      }
-      const prediction_input<Summary>& in = ins[i];
-      head_scratch& hs = items_[i].heads[h];
-      const auto m = static_cast<std::uint32_t>(in.summary_ids.size());
-      const std::uint32_t rows = in.queries.num_tokens * in.layout.group_size();
-      const auto [lo, hi] = range(k % segments, m);
+    each(segments, [&](const prediction_input<Summary>& in, std::uint32_t h, head_scratch& hs,
+                       std::uint32_t m, std::uint32_t rows, std::size_t seg) {
+      const auto [lo, hi] = range(seg, m);
       if (hi == lo || hs.contenders == 0) {
         return;
       }
@@ -315,13 +308,10 @@ class summary_scoring_predictor {
         in.summaries->score_bounds(h, ids, hs.rows.data(), rows, hs.bound.data() + lo);
       }
     });
-    // 3: each pair's contenders.
-    pool_->parallel_for(pairs, [&](std::size_t k) {
-      const std::size_t i = k / kv_heads;
-      const auto h = static_cast<std::uint32_t>(k % kv_heads);
-      head_scratch& hs = items_[i].heads[h];
-      const auto m = static_cast<std::uint32_t>(ins[i].summary_ids.size());
-      if (!live(i, h) || hs.contenders == 0 || hs.contenders >= m) {
+    // 3: each pair's contenders, the top bounds (ties to the earlier entry).
+    each(1, [&](const prediction_input<Summary>& in, std::uint32_t, head_scratch& hs,
+                std::uint32_t m, std::uint32_t rows, std::size_t) {
+      if (hs.contenders == 0 || hs.contenders >= m) {
         return;
       }
       hs.picked.clear();
@@ -329,26 +319,17 @@ class summary_scoring_predictor {
                             hs.picked);
       hs.ids.resize(hs.picked.size());
       for (std::size_t j = 0; j < hs.picked.size(); ++j) {
-        hs.ids[j] = ins[i].summary_ids[hs.picked[j]];
+        hs.ids[j] = in.summary_ids[hs.picked[j]];
       }
-      const std::uint32_t rows = ins[i].queries.num_tokens * ins[i].layout.group_size();
       hs.fine.resize(std::size_t{hs.contenders} * rows);
     });
     // 4: the fine scores of each range of the contenders.
-    pool_->parallel_for(pairs * segments, [&](std::size_t k) {
-      const std::size_t i = k / segments / kv_heads;
-      const auto h = static_cast<std::uint32_t>(k / segments % kv_heads);
-      if (!live(i, h)) {
-        return;
-      }
-      const prediction_input<Summary>& in = ins[i];
-      head_scratch& hs = items_[i].heads[h];
-      const auto m = static_cast<std::uint32_t>(in.summary_ids.size());
+    each(segments, [&](const prediction_input<Summary>& in, std::uint32_t h, head_scratch& hs,
+                       std::uint32_t m, std::uint32_t rows, std::size_t seg) {
       if (hs.contenders == 0 || hs.contenders >= m) {
         return;
       }
-      const std::uint32_t rows = in.queries.num_tokens * in.layout.group_size();
-      const auto [lo, hi] = range(k % segments, hs.contenders);
+      const auto [lo, hi] = range(seg, hs.contenders);
       if (hi > lo) {
         in.summaries->score_fine(h, std::span<const std::uint32_t>(hs.ids).subspan(lo, hi - lo),
                                  hs.rows.data(), rows, scale_for(in),
@@ -356,15 +337,8 @@ class summary_scoring_predictor {
       }
     });
     // 5: each pair's scores in place, [rows][blocks].
-    pool_->parallel_for(pairs, [&](std::size_t k) {
-      const std::size_t i = k / kv_heads;
-      const auto h = static_cast<std::uint32_t>(k % kv_heads);
-      if (!live(i, h)) {
-        return;
-      }
-      head_scratch& hs = items_[i].heads[h];
-      const auto m = static_cast<std::uint32_t>(ins[i].summary_ids.size());
-      const std::uint32_t rows = ins[i].queries.num_tokens * ins[i].layout.group_size();
+    each(1, [&](const prediction_input<Summary>&, std::uint32_t, head_scratch& hs, std::uint32_t m,
+                std::uint32_t rows, std::size_t) {
       if (hs.contenders < m) {
         std::fill(hs.by_entry.begin(), hs.by_entry.end(), -inf);
         for (std::size_t j = 0; j < hs.picked.size() && hs.contenders > 0; ++j) {

@@ -26,6 +26,7 @@
 #include "oasiskv/attention/cpu/row_state.hpp"
 #include "oasiskv/core/dtype.hpp"
 #include "oasiskv/cpu/isa.hpp"
+#include "oasiskv/cpu/math_avx512.hpp"
 
 #if OASISKV_X86_KERNELS
 
@@ -97,21 +98,9 @@ OASISKV_TARGET_AVX512 inline void prefetch_bytes(const void* p, std::size_t byte
   }
 }
 
-// 2^x for x <= 0: x = n + f with |f| <= 1/2, a degree-7 Taylor polynomial of 2^f (relative error
-// below 1e-8, under f32 rounding), then scalef by 2^n (which also flushes very negative x to 0).
+// 2^x for x <= 0 (math_avx512.hpp).
 OASISKV_TARGET_AVX512 inline __m512 exp2(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return exp2_16_nonpositive(x);
 }
 
 // In-lane partial sums of 4 vectors: 128-bit lane j of the result holds, in element i, the sum of
