@@ -7,16 +7,14 @@
 
 #include <mini_decoder/io/error.hpp>
 
+#include "oasiskv/cpu/math.hpp"
+
 namespace mini_decoder {
 
+// The first largest logit (NaN never), by the library's vector argmax: greedy decoding runs it
+// over the whole vocabulary once per verified row, on the step's serial path.
 int argmax(const float* logits, std::uint32_t vocab) {
-  int best = 0;
-  for (std::uint32_t i = 1; i < vocab; ++i) {
-    if (logits[i] > logits[best]) {
-      best = static_cast<int>(i);
-    }
-  }
-  return best;
+  return static_cast<int>(oasiskv::cpu::detail::argmax(logits, vocab));
 }
 
 token_logprobs log_softmax_of(const float* logits, std::uint32_t vocab, int token, int top) {

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! @file
 //! @brief The dispatcher of the SIMD math that several CPU kernels and policies share:
-//! `dot_entries`, `exp_sum`, `clamp_finite_max`, `add_scaled`, `entry_id_stats_of`. Each entry
-//! point calls the per-ISA body in `math_scalar.hpp`, `math_avx2.hpp` or `math_avx512.hpp`
+//! `dot_entries`, `exp_sum`, `clamp_finite_max`, `argmax`, `add_scaled`, `entry_id_stats_of`. Each
+//! entry point calls the per-ISA body in `math_scalar.hpp`, `math_avx2.hpp` or `math_avx512.hpp`
 //! (compiled with function-level target attributes and chosen at run time, so a consumer builds
 //! with no `-march` flag); policies (summaries, `predictor/aggregation.hpp`,
 //! `predictor/block_selector.hpp`) and the engine include this header, never the per-ISA ones.
@@ -52,6 +52,18 @@ inline float clamp_finite_max(const float* x, std::size_t count, float* out) {
   }
 #endif
   return clamp_finite_max_scalar(x, count, out);
+}
+
+//! @brief The index of the first largest of `x[0..count)`, NaN never the largest (0 when
+//! `count` is 0 or every value is NaN). Greedy sampling over a vocabulary.
+inline std::size_t argmax(const float* x, std::size_t count) {
+#if OASISKV_X86_KERNELS
+  static const bool avx512 = isa_supported(cpu_isa::avx512);
+  if (avx512 && count < (std::size_t{1} << 31)) {  // the vector kernel's indices are int32
+    return argmax_avx512(x, count);
+  }
+#endif
+  return argmax_scalar(x, count);
 }
 
 //! @brief `acc[i] += k * x[i]` for `i < count`.

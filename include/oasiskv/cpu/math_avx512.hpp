@@ -307,6 +307,37 @@ OASISKV_TARGET_AVX512 inline float exp_sum_avx512(const float* x, float m, std::
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
+// argmax_scalar 16 at a time: each lane keeps its first largest value and that value's index;
+// the lowest index among the lanes holding the overall largest wins.
+OASISKV_TARGET_AVX512 inline std::size_t argmax_avx512(const float* x, std::size_t count) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = ninf;
+  __m512i at = _mm512_setzero_si512();
+  __mmask16 seen = 0;  // lanes that have held a value (so -inf itself can be the answer)
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (std::size_t i = 0; i < count; i += 16) {
+    const __mmask16 k = tail16(i, count);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+    // Greater, or equal in a lane not yet seen (a first -inf); NaN is neither.
+    const __mmask16 take = static_cast<__mmask16>(
+        k & (_mm512_cmp_ps_mask(v, m, _CMP_GT_OQ) |
+             (static_cast<__mmask16>(~seen) & _mm512_cmp_ps_mask(v, m, _CMP_EQ_OQ))));
+    m = _mm512_mask_mov_ps(m, take, v);
+    at = _mm512_mask_mov_epi32(at, take, idx);
+    seen = static_cast<__mmask16>(seen | take);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (seen == 0) {
+    return 0;
+  }
+  const float best = _mm512_mask_reduce_max_ps(seen, m);
+  const __mmask16 top =
+      static_cast<__mmask16>(seen & _mm512_cmp_ps_mask(m, _mm512_set1_ps(best), _CMP_EQ_OQ));
+  return static_cast<std::size_t>(
+      static_cast<std::uint32_t>(_mm512_mask_reduce_min_epu32(top, at)));
+}
+
 // clamp_finite_max_avx2 16 at a time, with a masked tail.
 OASISKV_TARGET_AVX512 inline float clamp_finite_max_avx512(const float* x, std::size_t count,
                                                            float* out) {

@@ -68,6 +68,21 @@ inline float clamp_finite_max_scalar(const float* x, std::size_t count, float* o
   return m;
 }
 
+//! @brief `argmax` in plain C++.
+inline std::size_t argmax_scalar(const float* x, std::size_t count) {
+  std::size_t best = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  bool any = false;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (x[i] > m || (!any && x[i] == m)) {  // NaN never compares true
+      m = x[i];
+      best = i;
+      any = true;
+    }
+  }
+  return best;
+}
+
 //! @brief `add_scaled` in plain C++.
 inline void add_scaled_scalar(float* acc, const float* x, float k, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) {
