@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -28,15 +29,9 @@ namespace oasiskv_bridge::detail {
 //! @brief A `team` as the `cpu::loop_runner` a predictor scores on.
 class team_runner final : public oasiskv::cpu::loop_runner {
  public:
-  explicit team_runner(team* t) : team_(t) {}
-  unsigned size() const noexcept override { return team_ != nullptr ? team_->size() : 1u; }
+  explicit team_runner(team& t) : team_(&t) {}
+  unsigned size() const noexcept override { return team_->size(); }
   void run(std::size_t n, void (*fn)(void* ctx, std::size_t i), void* ctx) override {
-    if (team_ == nullptr) {
-      for (std::size_t i = 0; i < n; ++i) {
-        fn(ctx, i);
-      }
-      return;
-    }
     team_->run(n, fn, ctx);
   }
 
@@ -179,19 +174,15 @@ class cache_impl final : public cache {
   void lookahead(const seq_t* seqs, std::uint32_t n_seqs, std::uint32_t layer, const float* q,
                  std::uint32_t q_len, team* t) override {
     // The predictor scores on the engine's threads of this operation, lent for the call.
-    team_runner runner(t);
-    auto& predictor = cache_.predictor();
-    if constexpr (requires { predictor.set_thread_pool(&runner); }) {
-      predictor.set_thread_pool(t != nullptr && t->size() > 1 ? &runner : nullptr);
+    std::optional<team_runner> runner;
+    if (t != nullptr && t->size() > 1) {
+      runner.emplace(*t);
     }
-    struct reset {
-      decltype(predictor)& p;
-      ~reset() {
-        if constexpr (requires { p.set_thread_pool(nullptr); }) {
-          p.set_thread_pool(nullptr);
-        }
-      }
-    } done{predictor};
+    struct lend {
+      typename bundle<Slow, Summary>::predictor& p;
+      ~lend() { p.set_thread_pool(nullptr); }
+    } lent{cache_.predictor()};
+    lent.p.set_thread_pool(runner ? &*runner : nullptr);
     cache_.lookahead(ids(seqs, n_seqs), layer, q, q_len);
   }
   void attend(const seq_t* seqs, std::uint32_t n_seqs, std::uint32_t layer, const float* q,
