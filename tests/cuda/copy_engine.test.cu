@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <random>
 #include <vector>
 
@@ -22,6 +21,7 @@ namespace {
 
 using oasiskv::block_copy;
 using oasiskv::errc;
+using oasiskv::testing::error_code_of;
 namespace oc = oasiskv::cuda;
 
 struct cuda_policies {
@@ -42,16 +42,6 @@ static_assert(
                               oc::copy_engine, oasiskv::free_list_allocator>);
 static_assert(oc::pinned_host_tier::memory == oasiskv::memory_kind::pinned_host);
 static_assert(oc::device_tier::memory == oasiskv::memory_kind::device);
-
-template <class E>
-errc error_code_of(E&& f) {
-  try {
-    f();
-  } catch (const oasiskv::error& e) {
-    return e.code();
-  }
-  return errc{};
-}
 
 void fill_random(oc::pinned_host_tier& t, std::mt19937& rng) {
   for (oasiskv::slot_id s = 0; s < t.num_slots(); ++s) {
@@ -84,9 +74,8 @@ void expect_copied(const oc::pinned_host_tier& src, const oc::device_tier& dst,
 
 std::vector<block_copy> scattered(std::uint32_t n, std::uint32_t src_slots, std::uint32_t dst_slots,
                                   std::mt19937& rng) {
-  std::vector<std::uint32_t> s(src_slots), d(dst_slots);
-  std::iota(s.begin(), s.end(), 0u);
-  std::iota(d.begin(), d.end(), 0u);
+  std::vector<std::uint32_t> s = oasiskv::testing::iota(src_slots),
+                             d = oasiskv::testing::iota(dst_slots);
   std::shuffle(s.begin(), s.end(), rng);
   std::shuffle(d.begin(), d.end(), rng);
   std::vector<block_copy> c(n);
@@ -185,8 +174,7 @@ TEST_CASE("cuda::enqueue_gather: captured in a CUDA graph, replayed with device-
   constexpr std::uint32_t max_count = 16;
   oasiskv::testing::device_buffer<uint2> pairs(max_count);
   oasiskv::testing::device_buffer<std::uint32_t> count(1);
-  cudaStream_t s = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard s;
   oc::gather_args a;
   a.src = src.view().base;
   a.src_stride = src.slot_bytes();
@@ -231,7 +219,7 @@ TEST_CASE("cuda::enqueue_gather: captured in a CUDA graph, replayed with device-
   }
   OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
   OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+  s.destroy();
 }
 
 TEST_CASE("cuda tiers: slots, views and bad arguments") {

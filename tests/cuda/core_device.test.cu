@@ -48,22 +48,16 @@ __global__ void copy_words(const std::uint32_t* from, std::uint32_t* to, std::ui
 
 TEST_CASE("device: dtype conversions match the host bit for bit") {
   oasiskv::testing::require_cuda_device_or_skip();
-  std::uint16_t *d_f16 = nullptr, *d_bf16 = nullptr;
-  OASISKV_CUDA_CHECK(cudaMalloc(&d_f16, 65536 * 2));
-  OASISKV_CUDA_CHECK(cudaMalloc(&d_bf16, 65536 * 2));
-  convert_all_halves<<<256, 256>>>(d_f16, d_bf16);
+  oasiskv::testing::device_buffer<std::uint16_t> d_f16(65536), d_bf16(65536);
+  convert_all_halves<<<256, 256>>>(d_f16.get(), d_bf16.get());
   OASISKV_CUDA_CHECK(cudaGetLastError());
-  std::vector<std::uint16_t> f16s(65536), bf16s(65536);
-  oasiskv::testing::copy_to_host(f16s.data(), d_f16, 65536 * 2);
-  oasiskv::testing::copy_to_host(bf16s.data(), d_bf16, 65536 * 2);
+  const std::vector<std::uint16_t> f16s = d_f16.download(), bf16s = d_bf16.download();
   for (std::uint32_t b = 0; b <= 0xffff; ++b) {
     const auto h = oasiskv::f16{static_cast<std::uint16_t>(b)};
     const auto v = oasiskv::bf16{static_cast<std::uint16_t>(b)};
     REQUIRE(f16s[b] == oasiskv::f16::from_float(h.to_float() * 0.5f).bits);
     REQUIRE(bf16s[b] == oasiskv::bf16::from_float(v.to_float() * 3.0f).bits);
   }
-  cudaFree(d_f16);
-  cudaFree(d_bf16);
 }
 
 TEST_CASE("device: block_pool_view addresses the same bytes as on the host") {
@@ -74,15 +68,12 @@ TEST_CASE("device: block_pool_view addresses the same bytes as on the host") {
   for (std::size_t i = 0; i < host.size(); ++i) {
     host[i] = oasiskv::f16::from_float(static_cast<float>(i % 7) - 3.0f);
   }
-  std::byte* d_pool = nullptr;
-  float* d_sums = nullptr;
-  OASISKV_CUDA_CHECK(cudaMalloc(&d_pool, host.size() * 2));
-  OASISKV_CUDA_CHECK(cudaMalloc(&d_sums, slots * sizeof(float)));
-  oasiskv::testing::copy_to_device(d_pool, host.data(), host.size() * 2);
-  const oasiskv::block_pool_view dev{d_pool, l.block_bytes(), slots, l};
-  sum_keys<<<slots, 1>>>(dev, 1, d_sums);
-  std::vector<float> sums(slots);
-  oasiskv::testing::copy_to_host(sums.data(), d_sums, slots * sizeof(float));
+  const oasiskv::testing::device_buffer<oasiskv::f16> d_pool(host);
+  oasiskv::testing::device_buffer<float> d_sums(slots);
+  const oasiskv::block_pool_view dev{reinterpret_cast<std::byte*>(d_pool.get()), l.block_bytes(),
+                                     slots, l};
+  sum_keys<<<slots, 1>>>(dev, 1, d_sums.get());
+  const std::vector<float> sums = d_sums.download();
   const oasiskv::block_pool_view hv{reinterpret_cast<std::byte*>(host.data()), l.block_bytes(),
                                     slots, l};
   for (oasiskv::slot_id s = 0; s < slots; ++s) {
@@ -93,8 +84,6 @@ TEST_CASE("device: block_pool_view addresses the same bytes as on the host") {
     }
     CHECK(sums[s] == expect);
   }
-  cudaFree(d_pool);
-  cudaFree(d_sums);
 }
 
 TEST_CASE("test setup: fills and uploads are complete before a non-blocking stream runs") {
@@ -104,8 +93,7 @@ TEST_CASE("test setup: fills and uploads are complete before a non-blocking stre
   constexpr std::uint32_t n = 1 << 16;
   oasiskv::testing::device_buffer<std::uint32_t> src(n), dst(n);
   src.fill(0);
-  cudaStream_t s = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard s;
   oasiskv::testing::busy_legacy_stream(200'000'000);
   src.fill(0x5a);
   copy_words<<<64, 256, 0, s>>>(src.get(), dst.get(), n);
@@ -120,5 +108,5 @@ TEST_CASE("test setup: fills and uploads are complete before a non-blocking stre
   OASISKV_CUDA_CHECK(cudaStreamSynchronize(s));
   got = dst.download();
   CHECK(std::count(got.begin(), got.end(), 7u) == n);
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+  s.destroy();
 }

@@ -34,9 +34,18 @@ inline void require_cuda_device_or_skip() {
 
 }  // namespace oasiskv::testing
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
+
+#include "oasiskv/core/decode_params.hpp"
+#include "oasiskv/core/dtype.hpp"
+#include "oasiskv/core/error.hpp"
 
 namespace oasiskv::testing {
 
@@ -132,5 +141,127 @@ inline std::vector<float> random_floats(std::size_t n, std::mt19937& rng, float 
   }
   return v;
 }
+
+//! Fills `elems` values of type `t` at `at` (host memory) with `random_floats(elems, rng, lo, hi)`.
+inline void fill_random(std::byte* at, oasiskv::dtype t, std::size_t elems, std::mt19937& rng,
+                        float lo, float hi) {
+  const auto v = random_floats(elems, rng, lo, hi);
+  oasiskv::visit_dtype(t, [&](auto e) {
+    using T = decltype(e);
+    auto* p = reinterpret_cast<T*>(at);
+    for (std::size_t i = 0; i < elems; ++i) {
+      p[i] = oasiskv::from_float<T>(v[i]);
+    }
+  });
+}
+
+//! 0, 1, ..., n - 1: every entry (or slot) id of a summary (or tier) of `n`.
+inline std::vector<std::uint32_t> iota(std::uint32_t n) {
+  std::vector<std::uint32_t> v(n);
+  for (std::uint32_t e = 0; e < n; ++e) {
+    v[e] = e;
+  }
+  return v;
+}
+
+//! The code of the `oasiskv::error` that `f()` throws (its message into `*what` if given);
+//! `errc{}` when it throws none.
+template <class F>
+oasiskv::errc error_code_of(F&& f, std::string* what = nullptr) {
+  try {
+    f();
+  } catch (const oasiskv::error& e) {
+    if (what != nullptr) {
+      *what = e.what();
+    }
+    return e.code();
+  }
+  return oasiskv::errc{};
+}
+
+//! A cudaStreamNonBlocking stream (converts to `cudaStream_t`), destroyed unchecked at scope
+//! end unless `destroy()` destroyed it, checked, before.
+class stream_guard {
+ public:
+  stream_guard() { OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  stream_guard(const stream_guard&) = delete;
+  stream_guard& operator=(const stream_guard&) = delete;
+  ~stream_guard() {
+    if (s != nullptr) {
+      (void)cudaStreamDestroy(s);
+    }
+  }
+  operator cudaStream_t() const noexcept { return s; }
+  //! cudaStreamDestroy, checked (it also reports an earlier asynchronous error).
+  void destroy() { OASISKV_CUDA_CHECK(cudaStreamDestroy(std::exchange(s, nullptr))); }
+
+  cudaStream_t s = nullptr;
+};
+
+//! Finishes a host decode batch `h` whose refs name slots 0, 1, ... in order: the slots
+//! shuffled across the pool, the pool random in [-2, 2) (`fill_random`), the queries random.
+template <class Problem>
+void scatter_and_fill_decode_batch(Problem& h, std::mt19937& rng) {
+  std::vector<std::uint32_t> perm = iota(h.slots);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (oasiskv::block_ref& r : h.refs) {
+    r.slot = perm[r.slot];
+  }
+  const oasiskv::kv_layout& l = h.layout;
+  h.pool.resize(std::size_t{h.slots} * l.block_bytes());
+  fill_random(h.pool.data(), l.kv_dtype, h.pool.size() / l.elem_bytes(), rng, -2.0f, 2.0f);
+  h.q = random_floats(std::size_t{h.num_seqs} * h.q_len * l.num_q_heads * l.head_dim, rng);
+}
+
+//! The `decode_params` of a host decode batch `h` (fields layout, num_seqs, q_len, pool, slots,
+//! q, refs, offsets, lens) with `tables_per_seq` tables a sequence, writing `out` and `lse`.
+template <class Problem>
+oasiskv::decode_params host_decode_params(const Problem& h, std::uint32_t tables_per_seq,
+                                          float* out, float* lse) {
+  oasiskv::decode_params p;
+  p.q = h.q.data();
+  p.pool = {const_cast<std::byte*>(h.pool.data()), h.layout.block_bytes(), h.slots, h.layout};
+  p.table = {h.refs.data(), h.offsets.data(), h.num_seqs, tables_per_seq};
+  p.seq_lens = h.lens.data();
+  p.out = out;
+  p.lse = lse;
+  p.num_seqs = h.num_seqs;
+  p.q_len = h.q_len;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(h.layout.head_dim));
+  return p;
+}
+
+//! The device copy of a host decode batch `h` (as `host_decode_params` reads it): its inputs
+//! uploaded, `p` pointing at them, the outputs poisoned.
+template <class Problem>
+struct device_decode_problem {
+  device_buffer<std::byte> pool;
+  device_buffer<float> q, out, lse;
+  device_buffer<oasiskv::block_ref> refs;
+  device_buffer<std::uint32_t> offsets, lens;
+  oasiskv::decode_params p;
+
+  explicit device_decode_problem(const Problem& h)
+      : pool(h.pool),
+        q(h.q),
+        out(h.q.size()),
+        lse(h.q.size() / h.layout.head_dim),
+        refs(h.refs),
+        offsets(h.offsets),
+        lens(h.lens) {
+    p = h.host_params(out.get(), lse.get());
+    p.q = q.get();
+    p.pool.base = pool.get();
+    p.table.refs = refs.get();
+    p.table.offsets = offsets.get();
+    p.seq_lens = lens.get();
+    poison();
+  }
+  //! Every element must be written: NaN (all bits set) where one is not.
+  void poison() {
+    fill_device(out.get(), 0xff, out.size() * sizeof(float));
+    fill_device(lse.get(), 0xff, lse.size() * sizeof(float));
+  }
+};
 
 }  // namespace oasiskv::testing

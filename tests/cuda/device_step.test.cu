@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <random>
 #include <set>
 #include <string>
@@ -249,14 +248,7 @@ struct world {
   std::byte* block(std::uint32_t id) const { return capacity + std::size_t{id} * l.block_bytes(); }
 
   void fill(std::byte* at, std::size_t elems, std::mt19937& rng) const {
-    const auto v = oasiskv::testing::random_floats(elems, rng, -2.0f, 2.0f);
-    oasiskv::visit_dtype(l.kv_dtype, [&](auto e) {
-      using T = decltype(e);
-      auto* p = reinterpret_cast<T*>(at);
-      for (std::size_t i = 0; i < elems; ++i) {
-        p[i] = oasiskv::from_float<T>(v[i]);
-      }
-    });
+    oasiskv::testing::fill_random(at, l.kv_dtype, elems, rng, -2.0f, 2.0f);
   }
 
   // Appends `n` tokens to sequence s: fresh keys and values in the capacity blocks (so a staged
@@ -322,10 +314,7 @@ TEST_CASE(
   world w(l, num_seqs, max_blocks, rng);
   oc::device_minmax_summary ds(l, w.slots);
   {
-    std::vector<std::uint32_t> all(w.slots);
-    for (std::uint32_t i = 0; i < w.slots; ++i) {
-      all[i] = i;
-    }
+    const std::vector<std::uint32_t> all = oasiskv::testing::iota(w.slots);
     ds.upload(w.summary, all);
   }
   const std::uint32_t first_slot = 3, fast_slots = first_slot + num_seqs * sp.budget_blocks + 2;
@@ -353,8 +342,7 @@ TEST_CASE(
       dlook(std::size_t{num_seqs} * tokens * l.num_q_heads * l.head_dim);
   device_buffer<float> out_a(q_elems), out_b(q_elems), lse_a(q_elems / l.head_dim),
       lse_b(q_elems / l.head_dim);
-  cudaStream_t s = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard s;
   oc::device_decode_step_io xa;
   xa.q = dq.get();
   xa.lookahead = dlook.get();
@@ -488,7 +476,7 @@ TEST_CASE(
       CHECK(std::fabs(la[i] - ref_lse[i]) <= 1e-3f * std::max(1.0f, std::fabs(ref_lse[i])));
     }
   }
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+  s.destroy();
 }
 
 TEST_CASE("device_decode_step over int8 bounds: topk_selector's tables, staged and decoded") {
@@ -509,8 +497,7 @@ TEST_CASE("device_decode_step over int8 bounds: topk_selector's tables, staged a
       qs.update(id, w.block(id), 0, oasiskv::block_fill(l, i, w.lens[s]));
     }
   }
-  std::vector<std::uint32_t> all(w.slots);
-  std::iota(all.begin(), all.end(), 0u);
+  const std::vector<std::uint32_t> all = oasiskv::testing::iota(w.slots);
   oc::device_quantized_minmax_summary ds(l, w.slots);
   ds.upload(qs, all);
   device_buffer<std::byte> fast(std::size_t{num_seqs} * sp.budget_blocks * l.block_bytes());
@@ -543,8 +530,7 @@ TEST_CASE("device_decode_step over int8 bounds: topk_selector's tables, staged a
   x.lse = lse.get();
   x.num_seqs = num_seqs;
   x.lookahead_tokens = tokens;
-  cudaStream_t s = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard s;
   oc::topk_selector alone;
   for (int round = 0; round < 2; ++round) {
     CAPTURE(round);
@@ -624,7 +610,7 @@ TEST_CASE("device_decode_step over int8 bounds: topk_selector's tables, staged a
     oasiskv::reference_decode{}.decode(hp);
     CHECK(relative_l2(out.download(), ref_out) < 1e-4);
   }
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+  s.destroy();
 }
 
 TEST_CASE("device_decode_step: argument errors are thrown before anything is enqueued") {
@@ -664,8 +650,7 @@ TEST_CASE("device_decode_step: argument errors are thrown before anything is enq
   x.q_len = 1;
   x.lookahead_tokens = 1;
 
-  cudaStream_t s = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard s;
   require_error([&] { step.replay(s); }, e::invalid_argument, "nothing was captured");
   require_error([&] { step.capture(x, nullptr); }, e::invalid_argument, "legacy default stream");
 
@@ -755,5 +740,5 @@ TEST_CASE("device_decode_step: argument errors are thrown before anything is enq
   unchecked.enqueue(x, s);
   require_error([&] { unchecked.check_status(s); }, e::invalid_slot, "capacity_slots");
   CHECK_NOTHROW(unchecked.check_status(s));  // cleared
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+  s.destroy();
 }

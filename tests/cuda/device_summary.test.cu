@@ -22,20 +22,10 @@ namespace {
 
 using oasiskv::errc;
 using oasiskv::testing::device_buffer;
+using oasiskv::testing::error_code_of;
+using oasiskv::testing::iota;
+using oasiskv::testing::stream_guard;
 namespace oc = oasiskv::cuda;
-
-template <class E>
-errc error_code_of(E&& f, std::string* what = nullptr) {
-  try {
-    f();
-  } catch (const oasiskv::error& e) {
-    if (what != nullptr) {
-      *what = e.what();
-    }
-    return e.code();
-  }
-  return errc{};
-}
 
 // Random keys in [-3, 3), with values that exercise the outward rounding of bf16 keys into f16
 // bounds: beyond the f16 range (infinite bounds), below its subnormals, and signed zeros.
@@ -297,22 +287,6 @@ std::vector<std::byte> wire_entries(const oasiskv::kv_layout& l, std::size_t n, 
   std::memcpy(bytes.data(), w.data(), bytes.size());
   return bytes;
 }
-
-std::vector<std::uint32_t> iota(std::uint32_t n) {
-  std::vector<std::uint32_t> v(n);
-  for (std::uint32_t e = 0; e < n; ++e) {
-    v[e] = e;
-  }
-  return v;
-}
-
-struct stream_guard {
-  cudaStream_t s = nullptr;
-  stream_guard() { OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  stream_guard(const stream_guard&) = delete;
-  stream_guard& operator=(const stream_guard&) = delete;
-  ~stream_guard() { (void)cudaStreamDestroy(s); }
-};
 
 }  // namespace
 

@@ -31,17 +31,8 @@ namespace {
 using oasiskv::block_ref;
 using oasiskv::errc;
 using oasiskv::testing::device_buffer;
+using oasiskv::testing::error_code_of;
 namespace oc = oasiskv::cuda;
-
-template <class F>
-errc error_code_of(F&& f) {
-  try {
-    f();
-  } catch (const oasiskv::error& e) {
-    return e.code();
-  }
-  return errc{};
-}
 
 // A batch on the host (for the reference) and its copy on the device. Each sequence keeps
 // `sinks` first blocks, `recent` last blocks (the last one partial unless the length is a
@@ -84,68 +75,16 @@ struct problem {
       }
       offsets.push_back(static_cast<std::uint32_t>(refs.size()));
     }
-    std::vector<std::uint32_t> perm(slots);
-    std::iota(perm.begin(), perm.end(), 0u);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (block_ref& r : refs) {
-      r.slot = perm[r.slot];
-    }
-    const auto elems = std::size_t{slots} * l.block_bytes() / l.elem_bytes();
-    pool.resize(std::size_t{slots} * l.block_bytes());
-    const auto values = oasiskv::testing::random_floats(elems, rng, -2.0f, 2.0f);
-    oasiskv::visit_dtype(l.kv_dtype, [&](auto e) {
-      using T = decltype(e);
-      auto* p = reinterpret_cast<T*>(pool.data());
-      for (std::size_t i = 0; i < elems; ++i) {
-        p[i] = oasiskv::from_float<T>(values[i]);
-      }
-    });
-    q = oasiskv::testing::random_floats(std::size_t{seqs} * qlen * l.num_q_heads * l.head_dim, rng);
+    // Slots in a shuffled order across the pool: scattered reads.
+    oasiskv::testing::scatter_and_fill_decode_batch(*this, rng);
   }
 
   oasiskv::decode_params host_params(float* out, float* lse) const {
-    oasiskv::decode_params p;
-    p.q = q.data();
-    p.pool = {const_cast<std::byte*>(pool.data()), layout.block_bytes(), slots, layout};
-    p.table = {refs.data(), offsets.data(), num_seqs, 1};
-    p.seq_lens = lens.data();
-    p.out = out;
-    p.lse = lse;
-    p.num_seqs = num_seqs;
-    p.q_len = q_len;
-    p.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim));
-    return p;
+    return oasiskv::testing::host_decode_params(*this, 1, out, lse);
   }
 };
 
-struct device_problem {
-  device_buffer<std::byte> pool;
-  device_buffer<float> q, out, lse;
-  device_buffer<block_ref> refs;
-  device_buffer<std::uint32_t> offsets, lens;
-  oasiskv::decode_params p;
-
-  explicit device_problem(const problem& h)
-      : pool(h.pool),
-        q(h.q),
-        out(h.q.size()),
-        lse(h.q.size() / h.layout.head_dim),
-        refs(h.refs),
-        offsets(h.offsets),
-        lens(h.lens) {
-    p = h.host_params(out.get(), lse.get());
-    p.q = q.get();
-    p.pool.base = pool.get();
-    p.table.refs = refs.get();
-    p.table.offsets = offsets.get();
-    p.seq_lens = lens.get();
-    poison();
-  }
-  void poison() {  // every element must be written: NaN where one is not
-    oasiskv::testing::fill_device(out.get(), 0xff, out.size() * sizeof(float));
-    oasiskv::testing::fill_device(lse.get(), 0xff, lse.size() * sizeof(float));
-  }
-};
+using device_problem = oasiskv::testing::device_decode_problem<problem>;
 
 struct result {
   std::vector<float> out, lse;

@@ -249,8 +249,7 @@ TEST_CASE("cuda::device_tier: write_slot and read_slot copy part of a slot, chec
   oasiskv::cuda::device_tier own(layout, 3, {.zero = true});
   CHECK(own.stream() != nullptr);
   check_tier(own);
-  cudaStream_t stream = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard stream;
   {
     oasiskv::cuda::device_tier given(layout, 3, {.zero = true, .stream = stream});
     CHECK(given.stream() == stream);
@@ -258,7 +257,7 @@ TEST_CASE("cuda::device_tier: write_slot and read_slot copy part of a slot, chec
     oasiskv::cuda::device_tier moved(std::move(given));  // the stream goes with the slots
     CHECK(moved.stream() == stream);
   }
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(stream));  // the tier did not own it
+  stream.destroy();  // the tier did not own it
 }
 
 TEST_CASE("cuda::device_tier: zeroing at construction is finished before the tier's first write") {

@@ -19,18 +19,8 @@ namespace {
 
 using oasiskv::block_ref;
 using oasiskv::errc;
-using oasiskv::testing::device_buffer;
+using oasiskv::testing::error_code_of;
 namespace oc = oasiskv::cuda;
-
-template <class E>
-errc error_code_of(E&& f) {
-  try {
-    f();
-  } catch (const oasiskv::error& e) {
-    return e.code();
-  }
-  return errc{};
-}
 
 // A batch on the host (for the reference) and its copy on the device.
 struct problem {
@@ -54,8 +44,7 @@ struct problem {
       for (std::uint32_t t = 0; t < tables_per_seq; ++t) {
         // A random subset of the blocks, always with the last one (it holds the new tokens),
         // in a shuffled order: the kernel must not depend on ascending tables.
-        std::vector<std::uint32_t> idx(blocks);
-        std::iota(idx.begin(), idx.end(), 0u);
+        std::vector<std::uint32_t> idx = oasiskv::testing::iota(blocks);
         std::shuffle(idx.begin(), idx.end() - 1, rng);
         const std::uint32_t keep = std::max(1u, blocks / 2);
         std::vector<std::uint32_t> chosen(idx.end() - keep, idx.end());
@@ -67,66 +56,15 @@ struct problem {
       }
     }
     // Slots in a shuffled order across the pool: scattered reads.
-    std::vector<std::uint32_t> perm(slots);
-    std::iota(perm.begin(), perm.end(), 0u);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (block_ref& r : refs) {
-      r.slot = perm[r.slot];
-    }
-    const auto elems = std::size_t{slots} * l.block_bytes() / l.elem_bytes();
-    pool.resize(std::size_t{slots} * l.block_bytes());
-    const auto values = oasiskv::testing::random_floats(elems, rng, -2.0f, 2.0f);
-    oasiskv::visit_dtype(l.kv_dtype, [&](auto e) {
-      using T = decltype(e);
-      auto* p = reinterpret_cast<T*>(pool.data());
-      for (std::size_t i = 0; i < elems; ++i) {
-        p[i] = oasiskv::from_float<T>(values[i]);
-      }
-    });
-    q = oasiskv::testing::random_floats(std::size_t{seqs} * qlen * l.num_q_heads * l.head_dim, rng);
+    oasiskv::testing::scatter_and_fill_decode_batch(*this, rng);
   }
 
   oasiskv::decode_params host_params(float* out, float* lse) const {
-    oasiskv::decode_params p;
-    p.q = q.data();
-    p.pool = {const_cast<std::byte*>(pool.data()), layout.block_bytes(), slots, layout};
-    p.table = {refs.data(), offsets.data(), num_seqs, tables_per_seq};
-    p.seq_lens = lens.data();
-    p.out = out;
-    p.lse = lse;
-    p.num_seqs = num_seqs;
-    p.q_len = q_len;
-    p.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim));
-    return p;
+    return oasiskv::testing::host_decode_params(*this, tables_per_seq, out, lse);
   }
 };
 
-struct device_problem {
-  device_buffer<std::byte> pool;
-  device_buffer<float> q, out, lse;
-  device_buffer<block_ref> refs;
-  device_buffer<std::uint32_t> offsets, lens;
-  oasiskv::decode_params p;
-
-  explicit device_problem(const problem& h)
-      : pool(h.pool),
-        q(h.q),
-        out(h.q.size()),
-        lse(h.q.size() / h.layout.head_dim),
-        refs(h.refs),
-        offsets(h.offsets),
-        lens(h.lens) {
-    p = h.host_params(out.get(), lse.get());
-    p.q = q.get();
-    p.pool.base = pool.get();
-    p.table.refs = refs.get();
-    p.table.offsets = offsets.get();
-    p.seq_lens = lens.get();
-    // Poison: every element must be written.
-    oasiskv::testing::fill_device(out.get(), 0xff, out.size() * sizeof(float));
-    oasiskv::testing::fill_device(lse.get(), 0xff, lse.size() * sizeof(float));
-  }
-};
+using device_problem = oasiskv::testing::device_decode_problem<problem>;
 
 void compare(const problem& h, const device_problem& d) {
   std::vector<float> ref_out(h.q.size()), ref_lse(h.q.size() / h.layout.head_dim);
@@ -303,8 +241,7 @@ TEST_CASE("cuda::sparse_decode: the first call's status clear is done before its
   problem h(l, 2, 1, false, rng);
   h.refs[0].slot = h.slots + 3;  // outside the pool: the kernel skips it and reports it
   device_problem dev(h);
-  cudaStream_t s = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard s;
   for (const bool pipelined : {false, true}) {  // both kernels report the bad entry
     CAPTURE(pipelined);
     oc::sparse_decode_options o;
@@ -317,7 +254,7 @@ TEST_CASE("cuda::sparse_decode: the first call's status clear is done before its
     OASISKV_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK(error_code_of([&] { k.check_device_status(); }) == errc::invalid_slot);
   }
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+  s.destroy();
 }
 
 TEST_CASE("cuda::sparse_decode: q_len 16 with GQA group 8 (16 row chunks of 8 rows)") {
@@ -413,8 +350,7 @@ problem long_context(std::uint32_t seqs, std::uint32_t q_len, std::uint32_t budg
   h.lens.clear();
   const std::uint32_t blocks = 32768 / l.tokens_per_block;
   h.slots = seqs * budget;
-  std::vector<std::uint32_t> perm(h.slots);
-  std::iota(perm.begin(), perm.end(), 0u);
+  std::vector<std::uint32_t> perm = oasiskv::testing::iota(h.slots);
   std::shuffle(perm.begin(), perm.end(), rng);
   for (std::uint32_t s = 0; s < seqs; ++s) {
     h.lens.push_back(32768 - s % 5);  // partial last blocks too

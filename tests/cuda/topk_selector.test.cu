@@ -61,15 +61,8 @@ struct basic_setup {
         summary(layout, capacity) {
     std::uniform_int_distribution<std::uint32_t> len(1, maxb * l.tokens_per_block);
     blocks.resize(std::size_t{capacity} * l.block_bytes());
-    const auto v =
-        oasiskv::testing::random_floats(blocks.size() / l.elem_bytes(), rng, -3.0f, 3.0f);
-    oasiskv::visit_dtype(l.kv_dtype, [&](auto e) {
-      using T = decltype(e);
-      auto* p = reinterpret_cast<T*>(blocks.data());
-      for (std::size_t i = 0; i < v.size(); ++i) {
-        p[i] = oasiskv::from_float<T>(v[i]);
-      }
-    });
+    oasiskv::testing::fill_random(blocks.data(), l.kv_dtype, blocks.size() / l.elem_bytes(), rng,
+                                  -3.0f, 3.0f);
     ids.assign(std::size_t{seqs} * maxb, 0);
     for (std::uint32_t s = 0; s < seqs; ++s) {
       lens.push_back(s == 0 ? maxb * l.tokens_per_block - 3 : len(rng));
@@ -287,10 +280,7 @@ const oasiskv::selection_params weighted_sp{20, 2, 3};
 
 template <class Setup>
 auto device_summary_of(const Setup& st) {
-  std::vector<std::uint32_t> all(st.capacity);
-  for (std::uint32_t i = 0; i < st.capacity; ++i) {
-    all[i] = i;
-  }
+  const std::vector<std::uint32_t> all = oasiskv::testing::iota(st.capacity);
   if constexpr (quantized<Setup>) {
     oc::device_quantized_minmax_summary ds(st.l, st.capacity);
     ds.upload(st.summary, all);
@@ -417,10 +407,7 @@ TEST_CASE("cuda::topk_selector selects what the CPU lookahead predictor selects"
         const auto expect = cpu_select(st, q, tokens, sp, per_head);
 
         oc::device_minmax_summary ds(l, st.capacity);
-        std::vector<std::uint32_t> all(st.capacity);
-        for (std::uint32_t i = 0; i < st.capacity; ++i) {
-          all[i] = i;
-        }
+        const std::vector<std::uint32_t> all = oasiskv::testing::iota(st.capacity);
         ds.upload(st.summary, all);
         // Identity staging except every 5th block, which is a miss.
         std::vector<oasiskv::slot_id> staged(st.ids.size());
@@ -491,8 +478,7 @@ TEST_CASE(
       const auto q =
           oasiskv::testing::random_floats(std::size_t{st.num_seqs} * l.num_q_heads * 64, rng);
       oc::device_minmax_summary ds(l, st.capacity);
-      std::vector<std::uint32_t> all(st.capacity);
-      std::iota(all.begin(), all.end(), 0u);
+      const std::vector<std::uint32_t> all = oasiskv::testing::iota(st.capacity);
       ds.upload(st.summary, all);
       oc::topk_selector::options o;
       o.per_kv_head = per_head;
@@ -647,10 +633,7 @@ TEST_CASE("cuda::topk_selector over int8 bounds: the host summary's scores and s
         oc::device_quantized_minmax_summary ds(l, st.capacity);
         device_buffer<std::byte> dblocks(st.blocks);
         if (tokens == 1) {
-          std::vector<std::uint32_t> all(st.capacity);
-          for (std::uint32_t i = 0; i < st.capacity; ++i) {
-            all[i] = i;
-          }
+          const std::vector<std::uint32_t> all = oasiskv::testing::iota(st.capacity);
           ds.upload(st.summary, all);
         } else {
           for (std::uint32_t e = 0; e < st.capacity; ++e) {
@@ -772,10 +755,7 @@ TEST_CASE("a decode step (GPU selection, then sparse decode) captured in a CUDA 
   const oasiskv::selection_params sp{16, 1, 2};
   const std::uint32_t tokens = 1;
   oc::device_minmax_summary ds(l, st.capacity);
-  std::vector<std::uint32_t> all(st.capacity);
-  for (std::uint32_t i = 0; i < st.capacity; ++i) {
-    all[i] = i;
-  }
+  const std::vector<std::uint32_t> all = oasiskv::testing::iota(st.capacity);
   ds.upload(st.summary, all);
   // The capacity pool is the fast pool here (identity staging): the graph's subject is the
   // selection feeding the kernel with no host round trip.
@@ -786,8 +766,7 @@ TEST_CASE("a decode step (GPU selection, then sparse decode) captured in a CUDA 
   device_buffer<block_ref> refs(std::size_t{st.num_seqs} * sp.budget_blocks);
   device_buffer<std::uint32_t> offsets(st.num_seqs + 1);
   device_buffer<float> out(dq.size()), lse(dq.size() / l.head_dim);
-  cudaStream_t s = nullptr;
-  OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  oasiskv::testing::stream_guard s;
   oc::topk_selector::options so;
   so.stream = s;
   oc::topk_selector sel(so);
@@ -865,7 +844,7 @@ TEST_CASE("a decode step (GPU selection, then sparse decode) captured in a CUDA 
   }
   OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
   OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
-  OASISKV_CUDA_CHECK(cudaStreamDestroy(s));
+  s.destroy();
 }
 
 TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass predictor selects") {
@@ -904,8 +883,7 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
         // The same selection captured in a CUDA graph (the workspace reserved first) and
         // replayed into cleared outputs gives the same tables.
         if (d == 128 && tokens == 4) {
-          cudaStream_t stream = nullptr;
-          OASISKV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+          oasiskv::testing::stream_guard stream;
           oc::topk_selector::options co;
           co.per_kv_head = per_head;
           co.aggregation = oc::selection_aggregation::softmax_mass;
@@ -927,7 +905,7 @@ TEST_CASE("cuda::topk_selector softmax mass selects what the CPU softmax-mass pr
           CHECK(req.offsets.download() == got.offsets);
           OASISKV_CUDA_CHECK(cudaGraphExecDestroy(exec));
           OASISKV_CUDA_CHECK(cudaGraphDestroy(graph));
-          OASISKV_CUDA_CHECK(cudaStreamDestroy(stream));
+          stream.destroy();
         }
       }
     }
@@ -1094,9 +1072,7 @@ std::vector<std::uint32_t> sorted_topk(const std::vector<std::uint32_t>& keys, s
                                        std::uint32_t sinks, std::uint32_t recent) {
   const auto n = static_cast<std::uint32_t>(keys.size());
   if (budget >= n) {
-    std::vector<std::uint32_t> all(n);
-    std::iota(all.begin(), all.end(), 0u);
-    return all;
+    return oasiskv::testing::iota(n);
   }
   const oasiskv::block_window w = oasiskv::kept_window(n, sinks, recent);
   std::vector<std::uint32_t> cand(w.candidates());
