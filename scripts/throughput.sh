@@ -74,6 +74,12 @@ done
   { echo "error: --draft '$draft' is not ngram, self or none (see --help)" >&2; exit 2; }
 
 source scripts/common.sh
+# The plot needs Debian's python3-matplotlib: installed here, before the long runs, where the
+# script may (as root); elsewhere the figures are still written and the plot is left out.
+if ! python3 -c 'import matplotlib' 2>/dev/null && ! /usr/bin/python3 -c 'import matplotlib' 2>/dev/null; then
+  oasiskv_install_packages python3-matplotlib ||
+    echo "warning: without python3-matplotlib the JSON is written without its plot" >&2
+fi
 if [ -n "$build_dir" ]; then
   [ -f "$build_dir/CMakeCache.txt" ] ||
     { echo "error: --build-dir '$build_dir' is not a configured build tree" >&2; exit 2; }
