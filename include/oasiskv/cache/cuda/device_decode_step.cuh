@@ -610,8 +610,8 @@ class device_decode_step {
     a.tokens_per_block = l.tokens_per_block;
     a.capacity_slots_total = options_.capacity.num_slots;
     a.first_slot = options_.first_slot;
-    detail::residency_kernel<<<x.num_seqs, detail::residency_threads,
-                               2 * std::size_t{budget} * sizeof(std::uint32_t), stream>>>(a);
+    detail::residency_kernel<><<<x.num_seqs, detail::residency_threads,
+                                 2 * std::size_t{budget} * sizeof(std::uint32_t), stream>>>(a);
     detail::check(cudaGetLastError(), "cuda::device_decode_step: residency launch",
                   errc::invalid_argument);
 

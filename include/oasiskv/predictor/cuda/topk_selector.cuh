@@ -280,7 +280,7 @@ class topk_selector {
     cudaStream_t st = options_.stream;
     const std::uint32_t tables = r.num_seqs * a.tables_per_seq;
     if (r.misses != nullptr) {
-      detail::clear_counts_kernel<<<(tables + 255) / 256, 256, 0, st>>>(r.miss_counts, tables);
+      detail::clear_counts_kernel<><<<(tables + 255) / 256, 256, 0, st>>>(r.miss_counts, tables);
       detail::check(cudaGetLastError(), "cuda::topk_selector: launch", errc::invalid_argument);
     }
     const dim3 grid(
@@ -289,12 +289,12 @@ class topk_selector {
     score(a, grid, st);
     detail::check(cudaGetLastError(), "cuda::topk_selector: score launch", errc::invalid_argument);
     if (a.softmax_mass) {
-      detail::
-          softmax_mass_kernel<<<dim3(l.num_kv_heads, r.num_seqs), detail::mass_threads, 0, st>>>(a);
+      detail::softmax_mass_kernel<>
+          <<<dim3(l.num_kv_heads, r.num_seqs), detail::mass_threads, 0, st>>>(a);
       detail::check(cudaGetLastError(), "cuda::topk_selector: softmax mass launch",
                     errc::invalid_argument);
     }
-    detail::topk_select_kernel<<<tables, detail::topk_threads, 0, st>>>(a);
+    detail::topk_select_kernel<><<<tables, detail::topk_threads, 0, st>>>(a);
     detail::check(cudaGetLastError(), "cuda::topk_selector: top-k launch", errc::invalid_argument);
   }
 

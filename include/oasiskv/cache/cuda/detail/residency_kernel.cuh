@@ -70,6 +70,9 @@ static_assert(std::is_trivially_copyable_v<residency_args>);
 //! takes the k-th free slot in slot order, the block it held leaves the staged map, and the
 //! copy is listed. A capacity slot outside the pool is not copied: the table entry becomes
 //! `null_slot` (skipped by the decode kernel) and the status word is set.
+// A template: a plain __global__ function in a header is defined again by every translation unit
+// that includes it, and a program of two such units fails to link (test_cuda_two_units).
+template <class = void>
 __global__ void __launch_bounds__(residency_threads) residency_kernel(const residency_args a) {
   using scan = cub::BlockScan<std::uint32_t, residency_threads>;
   __shared__ typename scan::TempStorage storage;

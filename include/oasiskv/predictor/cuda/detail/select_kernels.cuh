@@ -350,6 +350,9 @@ struct max_op {
 //! aggregation`, `add_scaled(acc, e, w / sum)`; `row_weight`). A row of weight 0 adds nothing
 //! and is skipped. A thread owns the same blocks in every pass, so only the reductions
 //! synchronise.
+// A template: a plain __global__ function in a header is defined again by every translation unit
+// that includes it, and a program of two such units fails to link (test_cuda_two_units).
+template <class = void>
 __global__ void __launch_bounds__(mass_threads) softmax_mass_kernel(const select_kernel_args a) {
   using reduce = cub::BlockReduce<float, mass_threads>;
   __shared__ typename reduce::TempStorage storage;
@@ -493,6 +496,7 @@ OASISKV_HOST_DEVICE bool topk_keeps(const topk_table& t, std::uint32_t i, std::u
 //! shared-memory histograms, then compacted in index order with block scans and translated to
 //! staging slots. The table's offset follows from the lengths alone (every table holds
 //! min(blocks, budget) entries), so tables are packed with no grid-wide step.
+template <class = void>  // a template: see softmax_mass_kernel
 __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_kernel_args a) {
   using scan = cub::BlockScan<std::uint32_t, topk_threads>;
   __shared__ typename scan::TempStorage scan_storage;
@@ -650,6 +654,7 @@ __global__ void __launch_bounds__(topk_threads) topk_select_kernel(const select_
 }
 
 //! Zeroes the miss counters (a kernel, so the whole step stays one capturable sequence).
+template <class = void>  // a template: see softmax_mass_kernel
 __global__ void clear_counts_kernel(std::uint32_t* counts, std::uint32_t n) {
   for (std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += gridDim.x * blockDim.x) {
