@@ -131,7 +131,8 @@ class device_buffer {
   std::size_t n_ = 0;
 };
 
-//! Fills `n` floats with fresh uniform values in [lo, hi) (never zeros everywhere: METHOD.md).
+//! Fills `n` floats with fresh uniform values in [lo, hi) (never all zeros, which would hide a
+//! missing write).
 inline std::vector<float> random_floats(std::size_t n, std::mt19937& rng, float lo = -1.0f,
                                         float hi = 1.0f) {
   std::uniform_real_distribution<float> u(lo, hi);
