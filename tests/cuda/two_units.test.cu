@@ -16,8 +16,7 @@ std::array<const void*, 4> header_kernels() {
 }
 }  // namespace oasiskv::testing
 
-TEST_CASE("the CUDA headers link from two translation units" *
-          doctest::test_suite("host")) {
+TEST_CASE("the CUDA headers link from two translation units" * doctest::test_suite("host")) {
   const auto here = oasiskv::testing::header_kernels();
   const auto there = oasiskv::testing::header_kernels_other_unit();
   REQUIRE(here.size() == there.size());
